@@ -1,0 +1,114 @@
+"""Build (once) and cache the models a job names: the built-in tiny arithmetic model, or a path.
+
+The built-in model is a Qwen2-architecture causal LM with a character tokenizer, created from code
+and saved as an ordinary HF folder (transformers and SGLang load it), then warm-started with a
+short supervised run so that RL begins from a policy that is right sometimes but not always.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from miles_control.config import BuiltinModelConfig, JobSpec, PathModelConfig
+
+log = logging.getLogger(__name__)
+
+ASSET_FORMAT = 1  # bump when the builder changes in a way the cache key cannot see
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MILES_CACHE", Path.home() / ".cache" / "miles"))
+
+
+def resolve_model_path(spec: JobSpec) -> Path:
+    """The HF folder for `spec.model`, building and caching the built-in model when needed."""
+    model = spec.model
+    if isinstance(model, PathModelConfig):
+        path = Path(model.path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.path: {path} is not an HF model folder (no config.json)")
+        return path
+    return build_builtin_model(model, spec.data.digits)
+
+
+def _cache_key(config: BuiltinModelConfig, digits: int) -> str:
+    import torch
+    import transformers
+
+    payload = json.dumps(
+        {"config": config.model_dump(), "digits": digits, "format": ASSET_FORMAT,
+         "torch": torch.__version__, "transformers": transformers.__version__},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def build_builtin_model(config: BuiltinModelConfig, digits: int = 2, root: Path | None = None) -> Path:
+    target = (root or cache_root()) / "models" / f"{config.name}-{_cache_key(config, digits)}"
+    if (target / "miles_asset.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        _build_into(config, digits, staging)
+        if target.exists():  # another process finished first
+            shutil.rmtree(staging)
+        else:
+            staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
+    import torch
+    from miles_rollout.tasks.arithmetic import ALPHABET, arithmetic_prompts, build_char_tokenizer
+    from miles_train.sft import supervised_finetune
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    started = time.time()
+    tokenizer = build_char_tokenizer(ALPHABET)
+    torch.manual_seed(config.seed)
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,  # untied, so every exported tensor is a distinct parameter
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(model_config)
+    # Warm start on prompts drawn with another seed than the RL data generator uses.
+    examples = [
+        (tokenizer.encode(r.prompt), tokenizer.encode(r.label) + [tokenizer.eos_token_id])
+        for r in arithmetic_prompts(20000, seed=config.seed + 7_777, digits=digits)
+    ]
+    loss = float("nan")
+    if config.warm_start_steps:
+        log.info("warm start: %d supervised steps", config.warm_start_steps)
+        loss = supervised_finetune(
+            model, examples, config.warm_start_steps, config.warm_start_batch_size,
+            config.warm_start_lr, config.seed, tokenizer.pad_token_id,
+        )
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "miles_asset.json").write_text(json.dumps({
+        "name": config.name, "config": config.model_dump(), "digits": digits,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "warm_start_final_loss": loss, "build_seconds": round(time.time() - started, 2),
+    }, indent=1))

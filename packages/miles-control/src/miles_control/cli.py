@@ -1,0 +1,104 @@
+"""`miles` command line. Specs are validated before torch or Ray are imported."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from miles_control.spec import SpecError, load_spec
+
+app = typer.Typer(help="Miles: RL post-training with separate rollout and training, measured stage by stage.",
+                  no_args_is_help=True, add_completion=False)
+console = Console(stderr=True)
+
+
+@app.callback()
+def _root() -> None:
+    """Miles command line."""
+
+
+@app.command()
+def run(
+    config: Annotated[Path, typer.Argument(help="Job spec (YAML).")],
+    set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Run a job to the end, with live progress and a per-stage timing table."""
+    try:
+        spec = load_spec(config, set_)
+    except SpecError as exc:
+        console.print(f"[bold red]error:[/] invalid job spec [bold]{exc.source}[/]")
+        for line in exc.errors:
+            console.print(f"  {line}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+    from miles_control.run import run_job
+    from miles_control.store import Store
+    from miles_control.summary import summarize
+
+    logging.basicConfig(level=logging.WARNING)
+    store = Store(spec.store.url)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"), console=console, disable=quiet,
+    )
+    task = progress.add_task("starting", total=spec.schedule.num_steps, status="")
+    last_eval = {"value": None}
+
+    def on_phase(phase: str) -> None:
+        progress.update(task, description=phase)
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if "eval/accuracy" in metrics:
+            last_eval["value"] = metrics["eval/accuracy"]
+        acc = "-" if last_eval["value"] is None else f"{last_eval['value']:.3f}"
+        progress.update(task, completed=step, description="training", status=(
+            f"reward {metrics['rollout/reward_mean']:.3f}  eval acc {acc}  "
+            f"loss {metrics['train/loss']:+.4f}  entropy {metrics['train/entropy']:.3f}"))
+        if quiet and "eval/accuracy" in metrics:
+            console.print(f"step {step}: eval accuracy {metrics['eval/accuracy']:.3f}")
+
+    job_id = None
+    try:
+        with progress:
+            job_id = run_job(spec, on_phase=on_phase, on_step=on_step, store=store)
+    except Exception as exc:  # the job row already holds the reason
+        console.print(f"[bold red]job failed:[/] {type(exc).__name__}: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    print_summary(store, job_id)
+
+
+def print_summary(store, job_id: int) -> None:
+    from miles_control.summary import summarize
+
+    s = summarize(store, job_id)
+    out = Console()
+    table = Table(title=f"job {job_id} ({s.status}): {s.num_steps} steps in {s.wall_s:.1f} s")
+    for col in ("stage", "spans", "time (s)", "share of wall", "tokens/s"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for st in s.stages:
+        tps = "-" if st.tokens_per_s is None else f"{st.tokens_per_s:,.0f}"
+        table.add_row(st.stage, str(st.count), f"{st.total_s:.2f}", f"{st.share_of_wall:.1%}", tps)
+    out.print(table)
+    if s.weight_sync_s:
+        out.print(f"weight update latency: mean {sum(s.weight_sync_s) / len(s.weight_sync_s) * 1000:.1f} ms, "
+                  f"p50 {s.percentile_sync(0.5) * 1000:.1f} ms, max {max(s.weight_sync_s) * 1000:.1f} ms")
+    if s.eval_accuracy:
+        curve = ", ".join(f"{step}:{acc:.2f}" for step, acc in s.eval_accuracy)
+        out.print(f"held-out accuracy by step: {curve}")
+    out.print(f"store: {store.url} (job {job_id})")
+
+
+def main() -> None:
+    app(prog_name="miles")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

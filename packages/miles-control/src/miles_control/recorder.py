@@ -1,0 +1,31 @@
+"""Writes spans, metrics and events of one job to the store as they happen."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_control.store import Store
+
+
+class Recorder:
+    def __init__(self, store: Store, job_id: int) -> None:
+        self.store = store
+        self.job_id = job_id
+
+    def span(
+        self, stage: str, step: int, worker: str, start: float, end: float,
+        num_tokens: int = 0, num_bytes: int = 0, **attrs: Any,
+    ) -> None:
+        self.store.add_spans(self.job_id, [dict(
+            stage=stage, step=step, worker=worker, start=start, end=end,
+            num_tokens=num_tokens, num_bytes=num_bytes, attrs=attrs,
+        )])
+
+    def metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.store.add_metrics(self.job_id, step, metrics)
+
+    def event(self, kind: str, message: str, step: int | None = None, **data: Any) -> None:
+        self.store.add_event(self.job_id, kind, message, step, data)
+
+    def step(self, step: int, weight_version: int, start: float, end: float) -> None:
+        self.store.add_step(self.job_id, step, weight_version, start, end)

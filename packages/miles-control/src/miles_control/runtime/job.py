@@ -1,0 +1,155 @@
+"""JobRuntime: starts a job's actors on Ray and offers the stages a schedule calls, recording spans."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from miles_control.config import JobSpec, RayConfig
+from miles_control.convert import rollout_metrics, to_train_batch
+from miles_control.recorder import Recorder
+from miles_control.runtime.workers import RolloutWorker, TrainerWorker, free_port_and_ip
+
+log = logging.getLogger(__name__)
+
+# Quiet, offline workers: nothing may be fetched from a hub at run time.
+WORKER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def ensure_ray(config: RayConfig) -> bool:
+    """Connect to the configured cluster or start a local instance; True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=config.address,
+        num_cpus=config.num_cpus if config.address is None else None,
+        include_dashboard=False,
+        log_to_driver=os.environ.get("MILES_RAY_LOG_TO_DRIVER") == "1",
+        runtime_env={"env_vars": WORKER_ENV},
+    )
+    return True
+
+
+class TrainerGroup:
+    """All ranks of the trainer; each call runs on every rank and returns rank 0's answer."""
+
+    def __init__(self, spec: JobSpec, model_path: Path, weights_dir: Path) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world_size = spec.train.backend.world_size
+        cpus = spec.ray.trainer_cpus_per_rank
+        self.placement_group = placement_group([{"CPU": cpus}] * world_size, strategy="PACK")
+        ray.get(self.placement_group.ready())
+
+        def on_bundle(index: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
+
+        ip, port = ray.get(ray.remote(free_port_and_ip).options(num_cpus=0, scheduling_strategy=on_bundle(0)).remote())
+        actor = ray.remote(TrainerWorker)
+        spec_dict = spec.model_dump(mode="json")
+        self.ranks = [
+            actor.options(num_cpus=cpus, scheduling_strategy=on_bundle(rank), name=None).remote(
+                spec_dict, str(model_path), rank, world_size, f"tcp://{ip}:{port}", str(weights_dir)
+            )
+            for rank in range(world_size)
+        ]
+
+    def call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.get([rank.shutdown.remote() for rank in self.ranks], timeout=30)
+        finally:
+            for rank in self.ranks:
+                ray.kill(rank)
+            remove_placement_group(self.placement_group)
+
+
+class JobRuntime:
+    """The stages of one job, each recorded as a span: generate, train, push weights, evaluate."""
+
+    def __init__(self, spec: JobSpec, model_path: Path, recorder: Recorder, train_prompts: list, eval_prompts: list,
+                 run_dir: Path) -> None:
+        import ray
+
+        self.spec = spec
+        self.recorder = recorder
+        self.weight_version = 0
+        self.trainer = TrainerGroup(spec, model_path, run_dir / "weights")
+        self.rollout = ray.remote(RolloutWorker).options(num_cpus=spec.ray.rollout_cpus).remote(
+            spec.model_dump(mode="json"), str(model_path), train_prompts, eval_prompts
+        )
+
+    def generate(self, step: int):
+        import ray
+
+        batch = ray.get(self.rollout.generate.remote())
+        for t in batch.timings:
+            self.recorder.span(t.stage, step, "rollout-0", t.start, t.end, num_tokens=t.num_tokens)
+        return batch, rollout_metrics(batch)
+
+    def train(self, step: int, batch) -> dict[str, float]:
+        train_batch = to_train_batch(batch, self.spec.rollout.sampling.temperature)
+        metrics, start, end = self.trainer.call("train_step", train_batch)
+        num_tokens = int(metrics["train/num_tokens"])
+        self.recorder.span("train", step, "trainer", start, end, num_tokens=num_tokens)
+        metrics["train/tokens_per_s"] = num_tokens / max(end - start, 1e-9)
+        return metrics
+
+    def push_weights(self, step: int) -> dict[str, float]:
+        """Trainer → engines: export, publish, pause → load → version++ → resume; then check equality."""
+        import ray
+
+        version = self.weight_version + 1
+        handle, start, exported = self.trainer.call("publish_weights", version)
+        engine_fp, engine_version, _, end = ray.get(self.rollout.receive_weights.remote(handle))
+        self.weight_version = engine_version
+        match = engine_fp == handle.fingerprint
+        self.recorder.span(
+            "weight_sync", step, "trainer->rollout-0", start, end, num_bytes=handle.num_bytes,
+            transport=handle.transport, weight_version=version, trainer_fingerprint=handle.fingerprint,
+            engine_fingerprint=engine_fp, export_s=exported - start, num_buckets=handle.num_buckets,
+        )
+        if self.spec.sync.check_weights and not match:
+            raise RuntimeError(f"step {step}: engine weights differ from the trainer's after the push of version "
+                               f"{version} (trainer {handle.fingerprint}, engine {engine_fp})")
+        return {"sync/latency_s": end - start, "sync/bytes": float(handle.num_bytes),
+                "sync/weight_version": float(version), "sync/weights_match": float(match)}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        import ray
+
+        metrics, start, end = ray.get(self.rollout.evaluate.remote())
+        self.recorder.span("eval", step, "rollout-0", start, end)
+        return metrics
+
+    def save(self, directory: Path) -> None:
+        self.trainer.call("save", str(directory))
+
+    def shutdown(self) -> None:
+        import ray
+
+        started = time.time()
+        try:
+            self.trainer.shutdown()
+        finally:
+            ray.kill(self.rollout)
+        log.debug("runtime shut down in %.1fs", time.time() - started)

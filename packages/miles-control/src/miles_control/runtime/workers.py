@@ -1,0 +1,124 @@
+"""The Ray actors of a job. Plain classes here; `ray.remote` is applied where they are started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from miles_sync import WeightHandle
+
+
+def free_port_and_ip() -> tuple[str, int]:
+    """An address for torch.distributed's rendezvous, found on the node that will host rank 0."""
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ip, s.getsockname()[1]
+
+
+class TrainerWorker:
+    """One trainer rank. Rank 0 also owns the weight sender."""
+
+    def __init__(self, spec: dict[str, Any], model_path: str, rank: int, world_size: int,
+                 init_method: str, weights_dir: str) -> None:
+        import torch
+        from miles_sync import SyncConfig, build_sender
+        from miles_train import build_backend
+
+        from miles_control.config import JobSpec
+
+        job = JobSpec.model_validate(spec)
+        torch.manual_seed(job.seed + rank)
+        if job.train.backend.num_threads is None:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        self.rank = rank
+        self.backend = build_backend(job.train, model_path, rank, world_size, init_method)
+        self.sender = None
+        if rank == 0:
+            sync: SyncConfig = job.sync.model_copy(update={"dir": job.sync.dir or weights_dir})
+            self.sender = build_sender(sync)
+
+    def train_step(self, batch) -> tuple[dict[str, float], float, float]:
+        start = time.time()
+        metrics = self.backend.train_step(batch)
+        return metrics, start, time.time()
+
+    def compute_logprobs(self, batch) -> list[list[float]]:
+        return self.backend.compute_logprobs(batch)
+
+    def publish_weights(self, weight_version: int) -> tuple[WeightHandle | None, float, float]:
+        """Gather full weights (collective on every rank) and publish them from rank 0."""
+        start = time.time()
+        named = self.backend.export_weights()
+        handle = None
+        if self.sender is not None:
+            handle = self.sender.publish(named, weight_version)
+        else:
+            for _ in named:  # drive the collective on non-zero ranks
+                pass
+        return handle, start, time.time()
+
+    def save(self, directory: str) -> None:
+        self.backend.save(directory)
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        self.backend.shutdown()
+
+
+class RolloutWorker:
+    """Owns the engine, the tokenizer, the rollout manager and the prompt streams."""
+
+    def __init__(self, spec: dict[str, Any], model_path: str, train_prompts: list, eval_prompts: list) -> None:
+        import torch
+        from miles_rollout import RolloutManager, build_engine
+        from miles_rollout.data import PromptStream
+        from transformers import AutoTokenizer
+
+        from miles_control.config import JobSpec
+
+        job = JobSpec.model_validate(spec)
+        self.config = job.rollout
+        if job.rollout.engine.num_threads is None:
+            torch.set_num_threads(os.cpu_count() or 1)
+        self.engine = build_engine(job.rollout.engine, Path(model_path), seed=job.seed)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.manager = RolloutManager(self.engine, tokenizer, job.rollout)
+        self.stream = PromptStream(train_prompts, seed=job.seed)
+        self.eval_prompts = eval_prompts[: job.rollout.eval.num_prompts]
+
+    def generate(self):
+        prompts = self.stream.next_batch(self.config.num_prompts_per_step)
+        return asyncio.run(self.manager.generate(prompts))
+
+    def evaluate(self) -> tuple[dict[str, float], float, float]:
+        start = time.time()
+        metrics = asyncio.run(self.manager.evaluate(self.eval_prompts, self.config.eval.temperature))
+        return metrics, start, time.time()
+
+    def receive_weights(self, handle: WeightHandle, pause_mode: str = "in_place") -> tuple[str, int, float, float]:
+        """pause → load (bucketed) → take the new version → resume. Returns the engine's fingerprint."""
+        start = time.time()
+
+        async def push() -> str:
+            await self.engine.pause(pause_mode)
+            try:
+                return self.engine.receive(handle)
+            finally:
+                await self.engine.resume()
+
+        fingerprint = asyncio.run(push())
+        return fingerprint, self.engine.weight_version, start, time.time()
+
+    def weight_fingerprint(self) -> str:
+        return self.engine.weight_fingerprint()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

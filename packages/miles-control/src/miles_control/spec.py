@@ -1,0 +1,69 @@
+"""Load a job spec from YAML with `--set path.to.field=value` overrides; errors name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from miles_control.config import JobSpec
+
+
+class SpecError(ValueError):
+    """An unusable job spec. `errors` holds one `field.path: reason` line per problem."""
+
+    def __init__(self, source: str, errors: list[str]) -> None:
+        self.source = source
+        self.errors = errors
+        super().__init__(f"invalid job spec {source}:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Set `a.b.c=value` in nested dicts; the value is parsed as YAML (so 3, 0.5, true, [1] work)."""
+    path, sep, raw = assignment.partition("=")
+    if not sep or not path:
+        raise SpecError("--set", [f"{assignment!r}: expected path.to.field=value"])
+    keys = path.strip().split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise SpecError("--set", [f"{path}: {key!r} is a value, not a section"])
+        node = child
+    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def format_validation_error(exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"{where}: {err['msg']}")
+    return lines
+
+
+def parse_spec(data: Any, source: str = "<spec>") -> JobSpec:
+    if not isinstance(data, dict):
+        raise SpecError(source, [f"(top level): expected a mapping, got {type(data).__name__}"])
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(source, format_validation_error(exc)) from None
+
+
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(str(path), ["no such file"])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "?"
+        raise SpecError(str(path), [f"{where}: invalid YAML ({getattr(exc, 'problem', exc)})"]) from None
+    if not isinstance(data, dict):
+        raise SpecError(str(path), [f"(top level): expected a mapping, got {type(data).__name__}"])
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return parse_spec(data, str(path))

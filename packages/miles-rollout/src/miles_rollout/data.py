@@ -1,0 +1,92 @@
+"""Prompt data: JSONL or Parquet files with configurable keys, and a seeded epoch iterator."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+from miles_rollout.types import PromptRecord
+
+
+class PromptDataError(ValueError):
+    """A prompt file that cannot be used; the message names the file and, where known, the line."""
+
+
+def load_prompts(path: str | Path, prompt_key: str = "prompt", label_key: str = "label") -> list[PromptRecord]:
+    path = Path(path)
+    if not path.exists():
+        raise PromptDataError(f"{path}: no such prompt file")
+    if path.suffix == ".parquet":
+        rows = _read_parquet(path)
+    elif path.suffix in {".jsonl", ".json"}:
+        rows = _read_jsonl(path)
+    else:
+        raise PromptDataError(f"{path}: unsupported prompt file type {path.suffix!r} (use .jsonl or .parquet)")
+    records = []
+    for where, row in rows:
+        missing = [k for k in (prompt_key, label_key) if k not in row]
+        if missing:
+            raise PromptDataError(f"{path}:{where}: missing key(s) {missing}; present: {sorted(row)}")
+        extra = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
+        records.append(PromptRecord(str(row[prompt_key]), str(row[label_key]), extra))
+    if not records:
+        raise PromptDataError(f"{path}: no prompts")
+    return records
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+    with path.open() as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptDataError(f"{path}:{number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise PromptDataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+            yield f"line {number}", row
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise PromptDataError(f"{path}: cannot read Parquet: {exc}") from exc
+    for number, row in enumerate(table.to_pylist(), start=1):
+        yield f"row {number}", row
+
+
+def write_jsonl(records: list[PromptRecord], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        for r in records:
+            handle.write(json.dumps({"prompt": r.prompt, "label": r.label, **r.metadata}) + "\n")
+    return path
+
+
+class PromptStream:
+    """Endless, seeded iteration over prompts: reshuffled every epoch, never repeating within one."""
+
+    def __init__(self, records: list[PromptRecord], seed: int = 0) -> None:
+        if not records:
+            raise PromptDataError("no prompts to iterate over")
+        self._records = records
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+        self.epoch = -1
+
+    def next_batch(self, num_prompts: int) -> list[PromptRecord]:
+        batch = []
+        while len(batch) < num_prompts:
+            if not self._order:
+                self._order = list(range(len(self._records)))
+                self._rng.shuffle(self._order)
+                self.epoch += 1
+            batch.append(self._records[self._order.pop()])
+        return batch

@@ -1,0 +1,190 @@
+"""`hf`: an in-process transformers engine.
+
+Batched decoding with a KV cache, per-token logprobs, temperature / top-p / max tokens / stop
+tokens. It is the light default where SGLang is not installed and the engine of fast unit tests.
+Logprobs are those of the temperature-scaled distribution before top-p filtering, which is what a
+trainer can recompute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from miles_sync import WeightHandle, read_buckets, weight_fingerprint
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from miles_rollout.config import HFEngineConfig, PauseMode
+from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def sample_next_token(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return (token ids, their logprobs under the scaled distribution)."""
+    logits = logits.float()
+    if sampling.temperature == 0.0:
+        tokens = logits.argmax(dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1)
+    else:
+        logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
+        probs = logprobs.exp()
+        if sampling.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            outside = sorted_probs.cumsum(dim=-1) - sorted_probs > sampling.top_p
+            sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFEngine:
+    """In-process engine over a transformers causal LM loaded from an HF folder."""
+
+    name = "hf"
+
+    def __init__(self, model_path: str | Path, config: HFEngineConfig, seed: int = 0) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[config.dtype])
+        self.model.eval()
+        self.model.requires_grad_(False)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        self.eos_token_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        pad = self.model.config.pad_token_id
+        self.pad_token_id = pad if pad is not None else 0
+        self._generator = torch.Generator().manual_seed(seed)
+        self._weight_version = 0
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._abort = False
+        self._weights_lock = threading.Lock()
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        by_params: dict[SamplingParams, list[int]] = defaultdict(list)
+        for index, request in enumerate(requests):
+            by_params[request.sampling].append(index)
+        results: list[GenerateResult | None] = [None] * len(requests)
+        for sampling, indices in by_params.items():
+            for start in range(0, len(indices), self.config.max_batch_size):
+                chunk = indices[start : start + self.config.max_batch_size]
+                outs = await asyncio.to_thread(self._generate_chunk, [requests[i] for i in chunk], sampling)
+                for i, out in zip(chunk, outs, strict=True):
+                    results[i] = out
+        return results  # type: ignore[return-value]
+
+    def _wait_if_paused(self) -> bool:
+        """Block while paused; True when the caller must abort its requests."""
+        self._resumed.wait()
+        return self._abort
+
+    @torch.inference_mode()
+    def _generate_chunk(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
+        batch = len(requests)
+        lengths = [len(r.input_ids) for r in requests]
+        if min(lengths) == 0:
+            raise ValueError("generate() got a request with no input ids")
+        width = max(lengths)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for row, request in enumerate(requests):  # left padding keeps the last position aligned
+            input_ids[row, width - lengths[row] :] = torch.tensor(request.input_ids)
+            attention[row, width - lengths[row] :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long)
+
+        out_ids: list[list[int]] = [[] for _ in requests]
+        out_lps: list[list[float]] = [[] for _ in requests]
+        reasons = [FinishReason.LENGTH] * batch
+        finished = torch.zeros(batch, dtype=torch.bool)
+        versions = [[self._weight_version] for _ in requests]
+
+        cache = DynamicCache()
+        with self._weights_lock:
+            logits = self.model(
+                input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1]
+        for step in range(sampling.max_new_tokens):
+            tokens, logprobs = sample_next_token(logits, sampling, self._generator)
+            for row in (~finished).nonzero().flatten().tolist():
+                out_ids[row].append(int(tokens[row]))
+                out_lps[row].append(float(logprobs[row]))
+            hit_stop = torch.isin(tokens, stop_ids) & ~finished
+            for row in hit_stop.nonzero().flatten().tolist():
+                reasons[row] = FinishReason.STOP
+            finished |= hit_stop
+            if bool(finished.all()) or step == sampling.max_new_tokens - 1:
+                break
+            if self._wait_if_paused():
+                for row in (~finished).nonzero().flatten().tolist():
+                    reasons[row] = FinishReason.ABORT
+                break
+            for row in range(batch):
+                if versions[row][-1] != self._weight_version:
+                    versions[row].append(self._weight_version)
+            attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
+            positions = positions[:, -1:] + 1
+            with self._weights_lock:
+                logits = self.model(
+                    input_ids=tokens[:, None], attention_mask=attention, position_ids=positions,
+                    past_key_values=cache, use_cache=True,
+                ).logits[:, -1]
+        return [
+            GenerateResult(r.request_id, out_ids[i], out_lps[i], reasons[i], versions[i])
+            for i, r in enumerate(requests)
+        ]
+
+    async def pause(self, mode: PauseMode = "in_place") -> None:
+        # The KV cache lives in the decoding call, so in_place and retract both simply hold it.
+        self._abort = mode == "abort"
+        self._resumed.clear()
+
+    async def resume(self) -> None:
+        self._abort = False
+        self._resumed.set()
+
+    async def flush_cache(self) -> None:
+        """Nothing is cached between requests in this engine."""
+
+    async def health(self) -> bool:
+        return self.model is not None
+
+    def receive(self, handle: WeightHandle) -> str:
+        params = dict(self.model.named_parameters())
+        seen: set[str] = set()
+        with self._weights_lock, torch.no_grad():
+            for bucket in read_buckets(handle):
+                for name, tensor in bucket:
+                    if name not in params:
+                        raise KeyError(f"hf engine: weight {name!r} of version {handle.weight_version} "
+                                       "matches no parameter of the model")
+                    params[name].copy_(tensor)
+                    seen.add(name)
+            missing = sorted(set(params) - seen)
+            if missing:
+                raise ValueError(f"hf engine: weight version {handle.weight_version} lacks {len(missing)} "
+                                 f"parameters, e.g. {missing[:3]}")
+            self._weight_version = handle.weight_version
+        return self.weight_fingerprint()
+
+    def weight_fingerprint(self) -> str:
+        return weight_fingerprint(self.model.named_parameters())
+
+    def shutdown(self) -> None:
+        self._resumed.set()

@@ -1,0 +1,42 @@
+"""The RolloutEngine protocol: what every generation backend offers the rollout manager."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from miles_sync import WeightHandle
+
+from miles_rollout.config import PauseMode
+from miles_rollout.types import GenerateRequest, GenerateResult
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Token-in/token-out generation that also receives weights (a `miles_sync.WeightReceiver`).
+
+    `generate` is async and batched. `pause(mode)` stops decoding: `in_place` and `retract` hold
+    in-flight requests until `resume()`, `abort` ends them with finish reason `abort`.
+    """
+
+    name: str
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
+
+    async def pause(self, mode: PauseMode = "in_place") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def flush_cache(self) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    def receive(self, handle: WeightHandle) -> str:
+        """Load the published weights, take their version, return the fingerprint now held."""
+        ...
+
+    def weight_fingerprint(self) -> str: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,110 @@
+"""The data contract of the rollout side: requests, results, samples and batches."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class GenerateRequest:
+    """Token-in: the engine sees ids, never text."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    request_id: str = ""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # aborted by a pause(mode="abort")
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    weight_versions: list[int]  # every version the request was generated under
+
+
+class SampleStatus(str, enum.Enum):
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+
+
+_STATUS_OF = {
+    FinishReason.STOP: SampleStatus.COMPLETED,
+    FinishReason.LENGTH: SampleStatus.TRUNCATED,
+    FinishReason.ABORT: SampleStatus.ABORTED,
+}
+
+
+def status_of(reason: FinishReason) -> SampleStatus:
+    return _STATUS_OF[reason]
+
+
+@dataclass
+class PromptRecord:
+    prompt: str
+    label: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, carried unchanged from engine to trainer."""
+
+    group_index: int  # samples of the same prompt share it
+    prompt: str
+    label: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    loss_mask: list[int]
+    response_text: str = ""
+    reward: float = 0.0
+    status: SampleStatus = SampleStatus.COMPLETED
+    weight_versions: list[int] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def oldest_weight_version(self) -> int:
+        return min(self.weight_versions)
+
+
+@dataclass
+class StageTiming:
+    stage: str
+    start: float  # time.time()
+    end: float
+    num_tokens: int = 0
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]
+    timings: list[StageTiming] = field(default_factory=list)
+
+    @property
+    def num_groups(self) -> int:
+        return len({s.group_index for s in self.samples})
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
+
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]

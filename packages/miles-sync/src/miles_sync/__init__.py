@@ -1,0 +1,23 @@
+"""miles_sync: the weight contract between trainers and rollout engines.
+
+Senders publish full tensors under HF names and a `weight_version`; receivers load them by handle
+and report a fingerprint that must equal the sender's. Exports load lazily (see `lazy.py`).
+"""
+
+from miles_sync.lazy import lazy_exports
+
+_EXPORTS = {
+    "SyncConfig": "config",
+    "Fingerprinter": "fingerprint",
+    "weight_fingerprint": "fingerprint",
+    "WeightReceiver": "protocol",
+    "WeightSender": "protocol",
+    "TRANSPORTS": "transports",
+    "build_sender": "transports",
+    "read_buckets": "transports",
+    "NamedTensor": "types",
+    "NamedTensors": "types",
+    "WeightHandle": "types",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

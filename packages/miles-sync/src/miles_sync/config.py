@@ -1,0 +1,33 @@
+"""Configuration of weight transfer. Imports only pydantic, so a job spec validates without torch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TransportName = Literal["inproc", "disk"]
+WireDtype = Literal["float32", "bfloat16", "float16"]
+
+
+class SyncConfig(BaseModel):
+    """How trainer weights reach the rollout engines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    transport: TransportName = Field(
+        "disk",
+        description="inproc: tensors travel inside the handle (same process or Ray object store); "
+        "disk: safetensors files in `dir`, one per bucket.",
+    )
+    bucket_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Maximum bytes per bucket.")
+    dtype: WireDtype | None = Field(
+        None, description="Cast floating-point weights to this dtype before sending; None keeps them."
+    )
+    dir: str | None = Field(
+        None, description="Folder for the disk transport; a temporary folder under the run when None."
+    )
+    keep_versions: int = Field(2, ge=1, description="Disk transport: how many published versions to keep.")
+    check_weights: bool = Field(
+        True, description="After every push, compare the engine's weight fingerprint with the trainer's."
+    )

@@ -1,0 +1,34 @@
+"""The weight contract shared by rollout and training: one Protocol per side."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+from miles_sync.types import NamedTensor, NamedTensors, WeightHandle
+
+
+@runtime_checkable
+class WeightSender(Protocol):
+    """Publishes a full set of named tensors (HF names) under a weight version."""
+
+    name: str
+
+    def publish(self, named_tensors: NamedTensors, weight_version: int) -> WeightHandle: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """Anything that loads published weights (a rollout engine, a checker)."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def receive(self, handle: WeightHandle) -> str:
+        """Load the weights of `handle`, take its version, and return the fingerprint now held."""
+        ...
+
+
+BucketIterator = Iterator[list[NamedTensor]]

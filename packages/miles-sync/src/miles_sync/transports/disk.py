@@ -1,0 +1,84 @@
+"""disk: one safetensors file per bucket in a version folder, plus a manifest.
+
+A version folder is written under a temporary name and renamed when complete, so a receiver
+never sees a half-written version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from miles_sync.config import SyncConfig
+from miles_sync.transports.base import BucketedSender
+from miles_sync.types import NamedTensor, WeightHandle
+
+MANIFEST = "manifest.json"
+
+
+class DiskSender(BucketedSender):
+    name = "disk"
+
+    def __init__(self, config: SyncConfig) -> None:
+        super().__init__(config)
+        if config.dir is None:
+            self._root = Path(tempfile.mkdtemp(prefix="miles-weights-"))
+            self._owns_root = True
+        else:
+            self._root = Path(config.dir)
+            self._root.mkdir(parents=True, exist_ok=True)
+            self._owns_root = False
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    def _begin(self, weight_version: int) -> None:
+        self._final = self._root / f"v{weight_version:08d}"
+        self._staging = Path(tempfile.mkdtemp(prefix=f".v{weight_version:08d}-", dir=self._root))
+        self._files: list[dict] = []
+
+    def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
+        file_name = f"bucket-{index:05d}.safetensors"
+        # safetensors wants one owner per storage: clone views that share memory.
+        save_file({name: tensor.clone() for name, tensor in bucket}, str(self._staging / file_name))
+        self._files.append({"file": file_name, "names": [name for name, _ in bucket]})
+
+    def _finish(self, handle: WeightHandle) -> WeightHandle:
+        handle = dataclasses.replace(handle, location=str(self._final))
+        manifest = {k: v for k, v in dataclasses.asdict(handle).items() if k != "buckets"}
+        manifest["files"] = self._files
+        (self._staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if self._final.exists():
+            shutil.rmtree(self._final)
+        self._staging.rename(self._final)
+        self._prune()
+        return handle
+
+    def _prune(self) -> None:
+        versions = sorted(p for p in self._root.glob("v*") if p.is_dir())
+        for old in versions[: -self.config.keep_versions]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._owns_root:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+
+def read_disk(handle: WeightHandle) -> Iterator[list[NamedTensor]]:
+    if handle.location is None:
+        raise ValueError(f"disk handle for weight version {handle.weight_version} has no location")
+    folder = Path(handle.location)
+    manifest_path = folder / MANIFEST
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"weight version {handle.weight_version}: no {MANIFEST} in {folder}")
+    manifest = json.loads(manifest_path.read_text())
+    for entry in manifest["files"]:
+        tensors = load_file(str(folder / entry["file"]))
+        yield [(name, tensors[name]) for name in entry["names"]]

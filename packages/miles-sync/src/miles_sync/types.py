@@ -1,0 +1,31 @@
+"""Data that crosses the trainer/engine boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+NamedTensor = tuple[str, "torch.Tensor"]
+NamedTensors = Iterable[NamedTensor]
+
+
+@dataclass(frozen=True)
+class WeightHandle:
+    """What a sender returns and a receiver loads from: one published weight version.
+
+    `fingerprint` is the sender's fingerprint of exactly the tensors it published, so the
+    receiver (or anyone) can check equality after loading.
+    """
+
+    transport: str
+    weight_version: int
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    fingerprint: str
+    location: str | None = None  # disk: the folder holding the buckets
+    buckets: list[list[NamedTensor]] | None = field(default=None, repr=False)  # inproc: the tensors

@@ -1,0 +1,17 @@
+"""miles_train: trainer backends (FSDP2), GRPO losses, supervised warm start, weight export.
+
+Exports load lazily, so `miles_train.config` stays importable without torch.
+"""
+
+from miles_sync.lazy import lazy_exports
+
+_EXPORTS = {
+    **dict.fromkeys(["FSDP2Config", "GRPOConfig", "OptimizerConfig", "TrainConfig"], "config"),
+    "build_backend": "backends",
+    "TrainerBackend": "protocol",
+    "TrainBatch": "types",
+    **dict.fromkeys(["clipped_policy_loss", "group_advantages", "kl_k3", "token_mean"], "grpo"),
+    "supervised_finetune": "sft",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,1 @@
+"""FSDP2 backend: HF models sharded with `fully_shard`."""

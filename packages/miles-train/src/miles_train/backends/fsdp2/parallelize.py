@@ -1,0 +1,27 @@
+"""Apply FSDP2 to an HF causal LM: one shard group per decoder layer, then the root."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    # Llama/Qwen2/Mistral families keep their blocks at model.model.layers.
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"fsdp2: cannot find decoder layers on {type(model).__name__} (expected model.model.layers)")
+    return list(layers)
+
+
+def apply_fsdp(model: torch.nn.Module, mixed_precision: str) -> torch.nn.Module:
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model

@@ -1,0 +1,60 @@
+"""GRPO pieces as pure tensor functions: advantages, the clipped ratio loss, k3 KL, aggregation."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def group_advantages(
+    rewards: list[float], group_index: list[int], normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """A_i = (r_i − mean of its group) [/ (std of its group + eps)], one value per sample.
+
+    The std is the unbiased sample std (as `torch.std`); a group of one sample gets advantage 0.
+    """
+    r = torch.tensor(rewards, dtype=torch.float32)
+    advantages = torch.zeros_like(r)
+    members: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_index):
+        members[g].append(i)
+    for rows in members.values():
+        if len(rows) < 2:
+            continue
+        idx = torch.tensor(rows)
+        centred = r[idx] - r[idx].mean()
+        advantages[idx] = centred / (r[idx].std() + eps) if normalize_std else centred
+    return advantages
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO-style loss −min(ρA, clip(ρ, 1−ε, 1+ε_high)A); returns (loss, ratio, clipped)."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, ratio, (clipped < unclipped)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(π‖π_ref) per token: exp(Δ) − Δ − 1 with Δ = ref − π (≥ 0)."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
+    """Sum over unmasked tokens divided by `num_tokens` (default: the number of unmasked tokens).
+
+    Passing the token count of the whole global batch keeps the mean exact when the batch is
+    split across ranks or minibatches.
+    """
+    denom = mask.sum() if num_tokens is None else num_tokens
+    return (values * mask).sum() / max(float(denom), 1.0)

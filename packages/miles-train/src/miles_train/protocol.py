@@ -1,0 +1,39 @@
+"""The TrainerBackend protocol: what every training backend offers the schedules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from miles_train.types import TrainBatch
+
+
+@runtime_checkable
+class TrainerBackend(Protocol):
+    """One rank of a trainer. Every rank of a job calls each method with the same arguments
+    (collectives inside); results that are not per-rank are the same on every rank."""
+
+    name: str
+    rank: int
+    world_size: int
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One GRPO update on `batch`; returns metrics (`train/loss`, `train/kl`, `train/entropy`, ...)."""
+        ...
+
+    def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """Per-token logprobs of every response under the current weights."""
+        ...
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) tensors under HF names. Collective: call on every rank; rank 0 yields them."""
+        ...
+
+    def save(self, directory: str | Path) -> None: ...
+
+    def load(self, directory: str | Path) -> None: ...
+
+    def shutdown(self) -> None: ...

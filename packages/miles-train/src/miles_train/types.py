@@ -1,0 +1,51 @@
+"""What a trainer is given each step. Plain lists, so it crosses process boundaries cheaply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainBatch:
+    """Sequences exactly as the engine produced them (prompt ids + response ids), never re-tokenized.
+
+    `response_start[i]` is the index of the first response token in `input_ids[i]`;
+    `rollout_logprobs[i]` and `loss_mask[i]` have one entry per response token.
+    """
+
+    input_ids: list[list[int]]
+    response_start: list[int]
+    rollout_logprobs: list[list[float]]
+    loss_mask: list[list[int]]
+    rewards: list[float]
+    group_index: list[int]
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        for field_name in ("response_start", "rollout_logprobs", "loss_mask", "rewards", "group_index"):
+            if len(getattr(self, field_name)) != n:
+                raise ValueError(f"TrainBatch.{field_name} has {len(getattr(self, field_name))} rows, input_ids has {n}")
+        for i in range(n):
+            num_response = len(self.input_ids[i]) - self.response_start[i]
+            if len(self.rollout_logprobs[i]) != num_response or len(self.loss_mask[i]) != num_response:
+                raise ValueError(f"TrainBatch row {i}: {num_response} response tokens but "
+                                 f"{len(self.rollout_logprobs[i])} logprobs and {len(self.loss_mask[i])} mask entries")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(sum(m) for m in self.loss_mask)
+
+    def select(self, rows: list[int]) -> TrainBatch:
+        return TrainBatch(
+            input_ids=[self.input_ids[i] for i in rows],
+            response_start=[self.response_start[i] for i in rows],
+            rollout_logprobs=[self.rollout_logprobs[i] for i in rows],
+            loss_mask=[self.loss_mask[i] for i in rows],
+            rewards=[self.rewards[i] for i in rows],
+            group_index=[self.group_index[i] for i in rows],
+            temperature=self.temperature,
+        )
