@@ -43,8 +43,13 @@ def _cache_key(config: BuiltinModelConfig, digits: int) -> str:
     import transformers
 
     payload = json.dumps(
-        {"config": config.model_dump(), "digits": digits, "format": ASSET_FORMAT,
-         "torch": torch.__version__, "transformers": transformers.__version__},
+        {
+            "config": config.model_dump(),
+            "digits": digits,
+            "format": ASSET_FORMAT,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -70,9 +75,10 @@ def build_builtin_model(config: BuiltinModelConfig, digits: int = 2, root: Path 
 
 def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
     import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from miles_rollout.tasks.arithmetic import ALPHABET, arithmetic_prompts, build_char_tokenizer
     from miles_train.sft import supervised_finetune
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     started = time.time()
     tokenizer = build_char_tokenizer(ALPHABET)
@@ -100,15 +106,28 @@ def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
     if config.warm_start_steps:
         log.info("warm start: %d supervised steps", config.warm_start_steps)
         loss = supervised_finetune(
-            model, examples, config.warm_start_steps, config.warm_start_batch_size,
-            config.warm_start_lr, config.seed, tokenizer.pad_token_id,
+            model,
+            examples,
+            config.warm_start_steps,
+            config.warm_start_batch_size,
+            config.warm_start_lr,
+            config.seed,
+            tokenizer.pad_token_id,
         )
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    (folder / "miles_asset.json").write_text(json.dumps({
-        "name": config.name, "config": config.model_dump(), "digits": digits,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "warm_start_final_loss": loss, "build_seconds": round(time.time() - started, 2),
-    }, indent=1))
+    (folder / "miles_asset.json").write_text(
+        json.dumps(
+            {
+                "name": config.name,
+                "config": config.model_dump(),
+                "digits": digits,
+                "num_parameters": sum(p.numel() for p in model.parameters()),
+                "warm_start_final_loss": loss,
+                "build_seconds": round(time.time() - started, 2),
+            },
+            indent=1,
+        )
+    )

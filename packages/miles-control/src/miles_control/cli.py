@@ -14,8 +14,11 @@ from rich.table import Table
 
 from miles_control.spec import SpecError, load_spec
 
-app = typer.Typer(help="Miles: RL post-training with separate rollout and training, measured stage by stage.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Miles: RL post-training with separate rollout and training, measured stage by stage.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console(stderr=True)
 
 
@@ -41,13 +44,17 @@ def run(
 
     from miles_control.run import run_job
     from miles_control.store import Store
-    from miles_control.summary import summarize
 
     logging.basicConfig(level=logging.WARNING)
     store = Store(spec.store.url)
     progress = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"), console=console, disable=quiet,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+        disable=quiet,
     )
     task = progress.add_task("starting", total=spec.schedule.num_steps, status="")
     last_eval = {"value": None}
@@ -59,9 +66,15 @@ def run(
         if "eval/accuracy" in metrics:
             last_eval["value"] = metrics["eval/accuracy"]
         acc = "-" if last_eval["value"] is None else f"{last_eval['value']:.3f}"
-        progress.update(task, completed=step, description="training", status=(
-            f"reward {metrics['rollout/reward_mean']:.3f}  eval acc {acc}  "
-            f"loss {metrics['train/loss']:+.4f}  entropy {metrics['train/entropy']:.3f}"))
+        progress.update(
+            task,
+            completed=step,
+            description="training",
+            status=(
+                f"reward {metrics['rollout/reward_mean']:.3f}  eval acc {acc}  "
+                f"loss {metrics['train/loss']:+.4f}  entropy {metrics['train/entropy']:.3f}"
+            ),
+        )
         if quiet and "eval/accuracy" in metrics:
             console.print(f"step {step}: eval accuracy {metrics['eval/accuracy']:.3f}")
 
@@ -88,8 +101,10 @@ def print_summary(store, job_id: int) -> None:
         table.add_row(st.stage, str(st.count), f"{st.total_s:.2f}", f"{st.share_of_wall:.1%}", tps)
     out.print(table)
     if s.weight_sync_s:
-        out.print(f"weight update latency: mean {sum(s.weight_sync_s) / len(s.weight_sync_s) * 1000:.1f} ms, "
-                  f"p50 {s.percentile_sync(0.5) * 1000:.1f} ms, max {max(s.weight_sync_s) * 1000:.1f} ms")
+        out.print(
+            f"weight update latency: mean {sum(s.weight_sync_s) / len(s.weight_sync_s) * 1000:.1f} ms, "
+            f"p50 {s.percentile_sync(0.5) * 1000:.1f} ms, max {max(s.weight_sync_s) * 1000:.1f} ms"
+        )
     if s.eval_accuracy:
         curve = ", ".join(f"{step}:{acc:.2f}" for step, acc in s.eval_accuracy)
         out.print(f"held-out accuracy by step: {curve}")

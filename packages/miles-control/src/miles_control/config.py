@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from miles_rollout.config import DataConfig, RolloutConfig
 from miles_sync.config import SyncConfig
 from miles_train.config import TrainConfig
-from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Strict(BaseModel):

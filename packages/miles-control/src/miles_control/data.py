@@ -18,7 +18,9 @@ def load_job_prompts(config: DataConfig) -> tuple[list[PromptRecord], list[Promp
     if config.eval_path is not None:
         return train, load_prompts(config.eval_path, config.prompt_key, config.label_key)
     if len(train) <= config.num_eval:
-        raise PromptDataError(f"{config.path}: {len(train)} prompts cannot spare data.num_eval={config.num_eval} "
-                              "for evaluation; give data.eval_path or lower data.num_eval")
+        raise PromptDataError(
+            f"{config.path}: {len(train)} prompts cannot spare data.num_eval={config.num_eval} "
+            "for evaluation; give data.eval_path or lower data.num_eval"
+        )
     # Without an eval file the last num_eval prompts are held out.
     return train[: -config.num_eval], train[-config.num_eval :]

@@ -13,13 +13,31 @@ class Recorder:
         self.job_id = job_id
 
     def span(
-        self, stage: str, step: int, worker: str, start: float, end: float,
-        num_tokens: int = 0, num_bytes: int = 0, **attrs: Any,
+        self,
+        stage: str,
+        step: int,
+        worker: str,
+        start: float,
+        end: float,
+        num_tokens: int = 0,
+        num_bytes: int = 0,
+        **attrs: Any,
     ) -> None:
-        self.store.add_spans(self.job_id, [dict(
-            stage=stage, step=step, worker=worker, start=start, end=end,
-            num_tokens=num_tokens, num_bytes=num_bytes, attrs=attrs,
-        )])
+        self.store.add_spans(
+            self.job_id,
+            [
+                dict(
+                    stage=stage,
+                    step=step,
+                    worker=worker,
+                    start=start,
+                    end=end,
+                    num_tokens=num_tokens,
+                    num_bytes=num_bytes,
+                    attrs=attrs,
+                )
+            ],
+        )
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.store.add_metrics(self.job_id, step, metrics)

@@ -50,10 +50,15 @@ def summarize(store: Store, job_id: int) -> RunSummary:
     for name in names:
         mine = [sp for sp in spans if sp.stage == name]
         total = sum(sp.duration for sp in mine)
-        stages.append(StageSummary(name, len(mine), total, total / wall if wall else 0.0,
-                                   sum(sp.num_tokens for sp in mine)))
+        stages.append(
+            StageSummary(name, len(mine), total, total / wall if wall else 0.0, sum(sp.num_tokens for sp in mine))
+        )
     return RunSummary(
-        job_id=job_id, status=job.status, num_steps=len(steps), wall_s=wall, stages=stages,
+        job_id=job_id,
+        status=job.status,
+        num_steps=len(steps),
+        wall_s=wall,
+        stages=stages,
         weight_sync_s=[sp.duration for sp in spans if sp.stage == "weight_sync"],
         eval_accuracy=store.metric_series(job_id, "eval/accuracy"),
     )

@@ -13,8 +13,17 @@ _EXPORTS = {
     "register_reward": "rewards",
     "resolve_reward": "rewards",
     **dict.fromkeys(
-        ["FinishReason", "GenerateRequest", "GenerateResult", "PromptRecord", "RolloutBatch", "Sample",
-         "SampleStatus", "SamplingParams", "StageTiming"],
+        [
+            "FinishReason",
+            "GenerateRequest",
+            "GenerateResult",
+            "PromptRecord",
+            "RolloutBatch",
+            "Sample",
+            "SampleStatus",
+            "SamplingParams",
+            "StageTiming",
+        ],
         "types",
     ),
 }

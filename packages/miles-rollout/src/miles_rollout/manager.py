@@ -37,7 +37,9 @@ class RolloutManager:
         for text in stop:
             encoded = self.tokenizer.encode(text, add_special_tokens=False)
             if len(encoded) != 1:
-                raise ValueError(f"rollout.sampling.stop: {text!r} is {len(encoded)} tokens; stop strings must be one token")
+                raise ValueError(
+                    f"rollout.sampling.stop: {text!r} is {len(encoded)} tokens; stop strings must be one token"
+                )
             ids.append(encoded[0])
         return tuple(ids)
 
@@ -56,9 +58,7 @@ class RolloutManager:
         sampling = self.sampling_params(self.config.sampling, temperature)
         prompt_ids = [self.tokenizer.encode(p.prompt) for p in prompts]
         requests = [
-            GenerateRequest(ids, sampling, request_id=f"{g}-{k}")
-            for g, ids in enumerate(prompt_ids)
-            for k in range(n)
+            GenerateRequest(ids, sampling, request_id=f"{g}-{k}") for g, ids in enumerate(prompt_ids) for k in range(n)
         ]
         start = time.time()
         results = await self.engine.generate(requests)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from miles_sync import WeightHandle
-
 from miles_rollout.config import PauseMode
 from miles_rollout.types import GenerateRequest, GenerateResult
+from miles_sync import WeightHandle
 
 
 @runtime_checkable

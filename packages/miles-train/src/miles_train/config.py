@@ -46,4 +46,3 @@ class TrainConfig(_Strict):
     backend: FSDP2Config = Field(default_factory=FSDP2Config)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-

@@ -25,12 +25,16 @@ class TrainBatch:
         n = len(self.input_ids)
         for field_name in ("response_start", "rollout_logprobs", "loss_mask", "rewards", "group_index"):
             if len(getattr(self, field_name)) != n:
-                raise ValueError(f"TrainBatch.{field_name} has {len(getattr(self, field_name))} rows, input_ids has {n}")
+                raise ValueError(
+                    f"TrainBatch.{field_name} has {len(getattr(self, field_name))} rows, input_ids has {n}"
+                )
         for i in range(n):
             num_response = len(self.input_ids[i]) - self.response_start[i]
             if len(self.rollout_logprobs[i]) != num_response or len(self.loss_mask[i]) != num_response:
-                raise ValueError(f"TrainBatch row {i}: {num_response} response tokens but "
-                                 f"{len(self.rollout_logprobs[i])} logprobs and {len(self.loss_mask[i])} mask entries")
+                raise ValueError(
+                    f"TrainBatch row {i}: {num_response} response tokens but "
+                    f"{len(self.rollout_logprobs[i])} logprobs and {len(self.loss_mask[i])} mask entries"
+                )
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -86,16 +86,25 @@ class TrainerGroup:
 class JobRuntime:
     """The stages of one job, each recorded as a span: generate, train, push weights, evaluate."""
 
-    def __init__(self, spec: JobSpec, model_path: Path, recorder: Recorder, train_prompts: list, eval_prompts: list,
-                 run_dir: Path) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        model_path: Path,
+        recorder: Recorder,
+        train_prompts: list,
+        eval_prompts: list,
+        run_dir: Path,
+    ) -> None:
         import ray
 
         self.spec = spec
         self.recorder = recorder
         self.weight_version = 0
         self.trainer = TrainerGroup(spec, model_path, run_dir / "weights")
-        self.rollout = ray.remote(RolloutWorker).options(num_cpus=spec.ray.rollout_cpus).remote(
-            spec.model_dump(mode="json"), str(model_path), train_prompts, eval_prompts
+        self.rollout = (
+            ray.remote(RolloutWorker)
+            .options(num_cpus=spec.ray.rollout_cpus)
+            .remote(spec.model_dump(mode="json"), str(model_path), train_prompts, eval_prompts)
         )
 
     def generate(self, step: int):
@@ -124,15 +133,30 @@ class JobRuntime:
         self.weight_version = engine_version
         match = engine_fp == handle.fingerprint
         self.recorder.span(
-            "weight_sync", step, "trainer->rollout-0", start, end, num_bytes=handle.num_bytes,
-            transport=handle.transport, weight_version=version, trainer_fingerprint=handle.fingerprint,
-            engine_fingerprint=engine_fp, export_s=exported - start, num_buckets=handle.num_buckets,
+            "weight_sync",
+            step,
+            "trainer->rollout-0",
+            start,
+            end,
+            num_bytes=handle.num_bytes,
+            transport=handle.transport,
+            weight_version=version,
+            trainer_fingerprint=handle.fingerprint,
+            engine_fingerprint=engine_fp,
+            export_s=exported - start,
+            num_buckets=handle.num_buckets,
         )
         if self.spec.sync.check_weights and not match:
-            raise RuntimeError(f"step {step}: engine weights differ from the trainer's after the push of version "
-                               f"{version} (trainer {handle.fingerprint}, engine {engine_fp})")
-        return {"sync/latency_s": end - start, "sync/bytes": float(handle.num_bytes),
-                "sync/weight_version": float(version), "sync/weights_match": float(match)}
+            raise RuntimeError(
+                f"step {step}: engine weights differ from the trainer's after the push of version "
+                f"{version} (trainer {handle.fingerprint}, engine {engine_fp})"
+            )
+        return {
+            "sync/latency_s": end - start,
+            "sync/bytes": float(handle.num_bytes),
+            "sync/weight_version": float(version),
+            "sync/weights_match": float(match),
+        }
 
     def evaluate(self, step: int) -> dict[str, float]:
         import ray

@@ -25,13 +25,14 @@ def free_port_and_ip() -> tuple[str, int]:
 class TrainerWorker:
     """One trainer rank. Rank 0 also owns the weight sender."""
 
-    def __init__(self, spec: dict[str, Any], model_path: str, rank: int, world_size: int,
-                 init_method: str, weights_dir: str) -> None:
+    def __init__(
+        self, spec: dict[str, Any], model_path: str, rank: int, world_size: int, init_method: str, weights_dir: str
+    ) -> None:
         import torch
-        from miles_sync import SyncConfig, build_sender
-        from miles_train import build_backend
 
         from miles_control.config import JobSpec
+        from miles_sync import SyncConfig, build_sender
+        from miles_train import build_backend
 
         job = JobSpec.model_validate(spec)
         torch.manual_seed(job.seed + rank)
@@ -78,11 +79,11 @@ class RolloutWorker:
 
     def __init__(self, spec: dict[str, Any], model_path: str, train_prompts: list, eval_prompts: list) -> None:
         import torch
-        from miles_rollout import RolloutManager, build_engine
-        from miles_rollout.data import PromptStream
         from transformers import AutoTokenizer
 
         from miles_control.config import JobSpec
+        from miles_rollout import RolloutManager, build_engine
+        from miles_rollout.data import PromptStream
 
         job = JobSpec.model_validate(spec)
         self.config = job.rollout

@@ -70,7 +70,9 @@ class Store:
 
     def add_step(self, job_id: int, step: int, weight_version: int, started_at: float, ended_at: float) -> None:
         with self.session() as s, s.begin():
-            s.add(Step(job_id=job_id, step=step, weight_version=weight_version, started_at=started_at, ended_at=ended_at))
+            s.add(
+                Step(job_id=job_id, step=step, weight_version=weight_version, started_at=started_at, ended_at=ended_at)
+            )
 
     def add_spans(self, job_id: int, spans: Iterable[dict[str, Any]]) -> None:
         with self.session() as s, s.begin():
@@ -79,9 +81,13 @@ class Store:
     def add_metrics(self, job_id: int, step: int, metrics: dict[str, float]) -> None:
         now = time.time()
         with self.session() as s, s.begin():
-            s.add_all([Metric(job_id=job_id, step=step, name=k, value=float(v), wall_time=now) for k, v in metrics.items()])
+            s.add_all(
+                [Metric(job_id=job_id, step=step, name=k, value=float(v), wall_time=now) for k, v in metrics.items()]
+            )
 
-    def add_event(self, job_id: int, kind: str, message: str, step: int | None = None, data: dict | None = None) -> None:
+    def add_event(
+        self, job_id: int, kind: str, message: str, step: int | None = None, data: dict | None = None
+    ) -> None:
         with self.session() as s, s.begin():
             s.add(Event(job_id=job_id, kind=kind, message=message, step=step, data=data or {}))
 
@@ -96,7 +102,9 @@ class Store:
     def metric_series(self, job_id: int, name: str) -> list[tuple[int, float]]:
         with self.session() as s:
             rows = s.execute(
-                select(Metric.step, Metric.value).where(Metric.job_id == job_id, Metric.name == name).order_by(Metric.step)
+                select(Metric.step, Metric.value)
+                .where(Metric.job_id == job_id, Metric.name == name)
+                .order_by(Metric.step)
             )
             return [(step, value) for step, value in rows]
 

@@ -15,11 +15,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from miles_sync import WeightHandle, read_buckets, weight_fingerprint
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from miles_rollout.config import HFEngineConfig, PauseMode
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from miles_sync import WeightHandle, read_buckets, weight_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,12 @@ class HFEngine:
         cache = DynamicCache()
         with self._weights_lock:
             logits = self.model(
-                input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
             ).logits[:, -1]
         for step in range(sampling.max_new_tokens):
             tokens, logprobs = sample_next_token(logits, sampling, self._generator)
@@ -142,8 +146,11 @@ class HFEngine:
             positions = positions[:, -1:] + 1
             with self._weights_lock:
                 logits = self.model(
-                    input_ids=tokens[:, None], attention_mask=attention, position_ids=positions,
-                    past_key_values=cache, use_cache=True,
+                    input_ids=tokens[:, None],
+                    attention_mask=attention,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
                 ).logits[:, -1]
         return [
             GenerateResult(r.request_id, out_ids[i], out_lps[i], reasons[i], versions[i])
@@ -172,14 +179,18 @@ class HFEngine:
             for bucket in read_buckets(handle):
                 for name, tensor in bucket:
                     if name not in params:
-                        raise KeyError(f"hf engine: weight {name!r} of version {handle.weight_version} "
-                                       "matches no parameter of the model")
+                        raise KeyError(
+                            f"hf engine: weight {name!r} of version {handle.weight_version} "
+                            "matches no parameter of the model"
+                        )
                     params[name].copy_(tensor)
                     seen.add(name)
             missing = sorted(set(params) - seen)
             if missing:
-                raise ValueError(f"hf engine: weight version {handle.weight_version} lacks {len(missing)} "
-                                 f"parameters, e.g. {missing[:3]}")
+                raise ValueError(
+                    f"hf engine: weight version {handle.weight_version} lacks {len(missing)} "
+                    f"parameters, e.g. {missing[:3]}"
+                )
             self._weight_version = handle.weight_version
         return self.weight_fingerprint()
 

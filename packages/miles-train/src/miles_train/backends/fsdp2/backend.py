@@ -37,7 +37,11 @@ class FSDP2Backend:
     name = "fsdp2"
 
     def __init__(
-        self, config: TrainConfig, model_path: str | Path, rank: int = 0, world_size: int = 1,
+        self,
+        config: TrainConfig,
+        model_path: str | Path,
+        rank: int = 0,
+        world_size: int = 1,
         init_method: str | None = None,
     ) -> None:
         self.config = config
@@ -46,9 +50,12 @@ class FSDP2Backend:
             torch.set_num_threads(config.backend.num_threads)
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, init_method=init_method or "tcp://127.0.0.1:29512",
-                                    rank=rank, world_size=world_size)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            dist.init_process_group(
+                backend, init_method=init_method or "tcp://127.0.0.1:29512", rank=rank, world_size=world_size
+            )
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.model = self._load(model_path)
         self.model.train()
         self.pad_token_id = self.model.config.pad_token_id or 0
@@ -112,8 +119,12 @@ class FSDP2Backend:
             m = c.loss_mask
             with torch.no_grad():
                 for key, value in (
-                    ("loss", per_token), ("pg_loss", pg), ("kl", kl), ("entropy", entropy),
-                    ("clipfrac", clipped.float()), ("ratio", ratio),
+                    ("loss", per_token),
+                    ("pg_loss", pg),
+                    ("kl", kl),
+                    ("entropy", entropy),
+                    ("clipfrac", clipped.float()),
+                    ("ratio", ratio),
                     ("logprob_diff", (logprobs - c.rollout_logprobs).abs()),
                 ):
                     sums[key] += float((value * m).sum())
@@ -168,8 +179,9 @@ class FSDP2Backend:
         model_state = load_file(str(directory / "model.safetensors"))
         set_model_state_dict(self.model, model_state, options=StateDictOptions(full_state_dict=True))
         optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state,
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            self.model, self.optimizer, optim_state, options=StateDictOptions(full_state_dict=True)
+        )
         self.step = json.loads((directory / "trainer_state.json").read_text())["step"]
 
     def shutdown(self) -> None:

@@ -1,0 +1,67 @@
+"""Bad input through `miles run`: clear errors, non-zero exits, nothing built, nothing lost."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from miles_control.store import Store
+
+MILES = [sys.executable, "-m", "miles_control.cli"]
+
+
+def miles_run(tmp_path: Path, spec_text: str, *extra: str) -> subprocess.CompletedProcess:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(spec_text)
+    env = {**os.environ, "MILES_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+    return subprocess.run(
+        [*MILES, "run", str(spec), "--quiet", *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
+
+
+def test_invalid_spec_exits_2_naming_fields_before_anything_loads(tmp_path):
+    result = miles_run(
+        tmp_path,
+        f"name: bad\nstore:\n  url: sqlite:///{tmp_path}/m.db\n",
+        "--set",
+        "rollout.sampling.top_p=1.5",
+        "--set",
+        "train.grpo.clip=0.1",
+    )
+    assert result.returncode == 2, result.stderr
+    assert "rollout.sampling.top_p: Input should be less than or equal to 1" in result.stderr
+    assert "train.grpo.clip: Extra inputs are not permitted" in result.stderr
+    assert not (tmp_path / "cache").exists()  # no model was built
+    assert not (tmp_path / "m.db").exists()  # no job was created
+
+
+def test_malformed_prompt_file_fails_the_job_and_keeps_earlier_data(tmp_path):
+    url = f"sqlite:///{tmp_path}/m.db"
+    store = Store(url)
+    earlier = store.create_job("earlier", {})
+    store.add_metrics(earlier, 1, {"eval/accuracy": 0.5})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n' * 3 + '{"prompt": "2+2=" "label": "4"}\n')
+    result = miles_run(
+        tmp_path, f"name: bad-data\nstore:\n  url: {url}\ndata:\n  source: file\n  path: {prompts}\n  num_eval: 1\n"
+    )
+    assert result.returncode == 1
+    assert f"{prompts}:4: invalid JSON" in result.stderr
+    failed = store.job(earlier + 1)
+    assert failed.status == "failed" and f"{prompts}:4" in failed.error
+    assert store.metric_series(earlier, "eval/accuracy") == [(1, 0.5)]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_missing_model_folder_is_named(tmp_path):
+    result = miles_run(
+        tmp_path,
+        f"name: m\nstore:\n  url: sqlite:///{tmp_path}/m.db\nmodel:\n  source: path\n  path: {tmp_path}/nowhere\n",
+    )
+    assert result.returncode == 1
+    assert f"model.path: {tmp_path}/nowhere is not an HF model folder" in result.stderr

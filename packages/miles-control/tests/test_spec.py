@@ -1,0 +1,81 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles_control.config import JobSpec, PathModelConfig
+from miles_control.spec import SpecError, load_spec
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def test_there_are_examples():
+    assert EXAMPLES, "examples/ must ship at least one job spec"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_shipped_example_parses(path):
+    spec = load_spec(path)
+    assert isinstance(spec, JobSpec)
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def errors_of(path, overrides=()):
+    with pytest.raises(SpecError) as info:
+        load_spec(path, overrides)
+    return info.value.errors
+
+
+def test_unknown_field_is_named(tmp_path):
+    assert errors_of(write(tmp_path, "name: x\nrollout:\n  num_samples_per_promt: 4\n")) == [
+        "rollout.num_samples_per_promt: Extra inputs are not permitted"
+    ]
+
+
+def test_wrong_type_and_range_are_named(tmp_path):
+    errors = errors_of(write(tmp_path, "name: x\ntrain:\n  optimizer:\n    lr: -1\nschedule:\n  num_steps: many\n"))
+    assert any(e.startswith("train.optimizer.lr: Input should be greater than 0") for e in errors)
+    assert any(e.startswith("schedule.num_steps: Input should be a valid integer") for e in errors)
+
+
+def test_discriminated_choices(tmp_path):
+    errors = errors_of(write(tmp_path, "name: x\nmodel:\n  source: hub\n"))
+    assert errors[0].startswith("model: Input tag 'hub' found using 'source' does not match")
+    errors = errors_of(write(tmp_path, "name: x\nrollout:\n  engine:\n    type: vllm\n"))
+    assert errors[0].startswith("rollout.engine.type: Input should be 'hf'")
+    spec = load_spec(write(tmp_path, "name: x\nmodel:\n  source: path\n  path: /m\n"))
+    assert isinstance(spec.model, PathModelConfig)
+
+
+def test_missing_name_and_bad_yaml(tmp_path):
+    assert errors_of(write(tmp_path, "seed: 1\n")) == ["name: Field required"]
+    assert errors_of(write(tmp_path, "name: [x\n"))[0].startswith("line ")
+    assert errors_of(write(tmp_path, "- a\n- b\n")) == ["(top level): expected a mapping, got list"]
+    assert errors_of(tmp_path / "absent.yaml") == ["no such file"]
+
+
+def test_overrides(tmp_path):
+    path = write(tmp_path, "name: x\n")
+    spec = load_spec(path, ["rollout.sampling.temperature=0.5", "train.backend.world_size=2", "sync.dtype=bfloat16"])
+    assert spec.rollout.sampling.temperature == 0.5
+    assert spec.train.backend.world_size == 2
+    assert spec.sync.dtype == "bfloat16"
+    assert errors_of(path, ["rollout.bogus=1"]) == ["rollout.bogus: Extra inputs are not permitted"]
+    assert errors_of(path, ["novalue"]) == ["'novalue': expected path.to.field=value"]
+    assert errors_of(path, ["name.inner=1"]) == ["name.inner: 'name' is a value, not a section"]
+
+
+def test_config_modules_do_not_import_torch():
+    code = (
+        "import sys, miles_control.config, miles_control.spec, miles_rollout.config, miles_train.config, "
+        "miles_sync.config; bad = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

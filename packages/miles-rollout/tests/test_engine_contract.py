@@ -1,0 +1,125 @@
+"""Contract suite for RolloutEngine, run against every implementation that exists here."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles_rollout import FinishReason, GenerateRequest, HFEngineConfig, RolloutEngine, SamplingParams, build_engine
+from miles_sync import SyncConfig, build_sender
+
+ENGINE_CONFIGS = {"hf": HFEngineConfig()}
+
+
+@pytest.fixture(params=sorted(ENGINE_CONFIGS))
+def engine(request, tiny_model_dir):
+    eng = build_engine(ENGINE_CONFIGS[request.param], tiny_model_dir, seed=0)
+    yield eng
+    eng.shutdown()
+
+
+def requests(n: int, sampling: SamplingParams) -> list[GenerateRequest]:
+    prompts = [[3 + (i % 10), 13, 4 + (i % 7), 16] for i in range(n)]
+    return [GenerateRequest(p, sampling, request_id=str(i)) for i, p in enumerate(prompts)]
+
+
+def test_implements_protocol(engine):
+    assert isinstance(engine, RolloutEngine)
+    assert asyncio.run(engine.health())
+    assert engine.weight_version == 0
+
+
+def test_generate_shapes_and_limits(engine):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5)
+    results = asyncio.run(engine.generate(requests(6, sampling)))
+    assert [r.request_id for r in results] == [str(i) for i in range(6)]
+    for r in results:
+        assert 1 <= len(r.output_ids) <= 5
+        assert len(r.output_logprobs) == len(r.output_ids)
+        assert all(lp <= 0.0 for lp in r.output_logprobs)
+        assert r.weight_versions == [0]
+        if r.finish_reason == FinishReason.LENGTH:
+            assert len(r.output_ids) == 5
+
+
+def test_logprobs_match_a_teacher_forced_forward(engine, tiny_model_dir):
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=6)
+    results = asyncio.run(engine.generate(requests(4, sampling)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for req, res in zip(requests(4, sampling), results, strict=True):
+        ids = torch.tensor([req.input_ids + res.output_ids])
+        logits = model(ids).logits[0, len(req.input_ids) - 1 : -1] / 0.7
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(res.output_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(res.output_logprobs), expected, atol=1e-4)
+
+
+def test_greedy_is_deterministic_and_batch_independent(engine):
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=6)
+    batched = asyncio.run(engine.generate(requests(5, sampling)))
+    alone = asyncio.run(engine.generate(requests(5, sampling)[2:3]))
+    assert batched[2].output_ids == alone[0].output_ids  # left padding must not change the answer
+
+
+def test_stop_token_ends_generation(engine):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    first = asyncio.run(engine.generate(requests(1, greedy)))[0]
+    stop = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=(first.output_ids[0],))
+    stopped = asyncio.run(engine.generate(requests(1, stop)))[0]
+    assert stopped.output_ids == first.output_ids[:1]
+    assert stopped.finish_reason == FinishReason.STOP
+
+
+def test_pause_abort_ends_in_flight_requests(engine):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=60)
+    asyncio.run(engine.pause("abort"))
+    results = asyncio.run(engine.generate(requests(3, sampling)))
+    asyncio.run(engine.resume())
+    assert all(r.finish_reason == FinishReason.ABORT for r in results)
+    assert all(len(r.output_ids) < 60 for r in results)
+    after = asyncio.run(engine.generate(requests(1, SamplingParams(max_new_tokens=3))))
+    assert after[0].finish_reason != FinishReason.ABORT
+
+
+def test_pause_in_place_holds_until_resume_and_records_new_version(engine, tiny_model_dir):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=())
+    handle = build_sender(SyncConfig(transport="inproc")).publish(new_weights(tiny_model_dir), weight_version=5)
+    asyncio.run(engine.pause("in_place"))
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(engine.generate(requests(2, sampling)))))
+    worker.start()
+    time.sleep(0.5)
+    assert worker.is_alive(), "generation must wait while paused"
+    engine.receive(handle)  # a push while requests are held
+    asyncio.run(engine.resume())
+    worker.join(timeout=60)
+    for r in out["r"]:
+        assert r.finish_reason != FinishReason.ABORT
+        assert r.weight_versions == [0, 5]
+
+
+def new_weights(model_dir):
+    """The model's own weights, perturbed: what a trainer would publish after a step."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, p.detach() + 0.01) for n, p in model.named_parameters()]
+
+
+def test_receive_weights_sets_version_and_fingerprint(engine, tiny_model_dir):
+    weights = new_weights(tiny_model_dir)
+    before = engine.weight_fingerprint()
+    handle = build_sender(SyncConfig(transport="inproc", bucket_bytes=4096)).publish(weights, weight_version=2)
+    fingerprint = engine.receive(handle)
+    assert fingerprint == handle.fingerprint == engine.weight_fingerprint() != before
+    assert engine.weight_version == 2
+
+
+def test_receive_rejects_incomplete_or_foreign_weights(engine, tiny_model_dir):
+    weights = new_weights(tiny_model_dir)
+    sender = build_sender(SyncConfig(transport="inproc"))
+    with pytest.raises(ValueError, match="lacks 1 parameters"):
+        engine.receive(sender.publish(weights[:-1], weight_version=3))
+    with pytest.raises(KeyError, match="not.a.weight"):
+        engine.receive(sender.publish([*weights, ("not.a.weight", torch.zeros(1))], weight_version=3))
+    assert engine.weight_version == 0

@@ -1,0 +1,24 @@
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random tiny Qwen2 (vocab 20) saved as an HF folder."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2-train")
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=20,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder

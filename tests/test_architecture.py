@@ -1,0 +1,104 @@
+"""Architecture rules of DESIGN.md, checked by reading the sources' imports."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "miles_sync": "miles-sync",
+    "miles_rollout": "miles-rollout",
+    "miles_train": "miles-train",
+    "miles_control": "miles-control",
+}
+ALLOWED = {  # which Miles packages each may import
+    "miles_sync": set(),
+    "miles_rollout": {"miles_sync"},
+    "miles_train": {"miles_sync"},
+    "miles_control": {"miles_sync", "miles_rollout", "miles_train"},
+}
+# import name → distribution name, where they differ
+DIST_OF = {"yaml": "pyyaml", "pyarrow": "pyarrow", "sqlalchemy": "sqlalchemy", "safetensors": "safetensors"}
+
+
+def imports_of(folder: Path) -> dict[str, set[str]]:
+    """Top-level module names imported by each file under `folder`."""
+    found: dict[str, set[str]] = {}
+    for path in folder.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(PACKAGES))
+def test_dependency_rule(module):
+    src = ROOT / "packages" / PACKAGES[module] / "src" / module
+    forbidden = set(PACKAGES) - ALLOWED[module] - {module}
+    offenders = {f: sorted(n & forbidden) for f, n in imports_of(src).items() if n & forbidden}
+    assert not offenders, f"{module} may import only {sorted(ALLOWED[module])} of Miles: {offenders}"
+
+
+@pytest.mark.parametrize("module", sorted(PACKAGES))
+def test_every_third_party_import_is_declared(module):
+    """So that `pip install packages/<name>` alone gives a working package."""
+    package_dir = ROOT / "packages" / PACKAGES[module]
+    declared = {
+        re.split(r"[<>=!~\[ ;]", dep, maxsplit=1)[0].lower().replace("_", "-")
+        for dep in tomllib.loads((package_dir / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
+    used = set().union(*imports_of(package_dir / "src" / module).values())
+    third_party = {n for n in used if n not in sys.stdlib_module_names and n not in PACKAGES}
+    for miles_dep in ALLOWED[module]:
+        if miles_dep in used:
+            third_party.add(miles_dep)
+    tokenizers_via_transformers = {"tokenizers"} if "transformers" in declared else set()
+    missing = sorted(
+        n
+        for n in third_party - tokenizers_via_transformers
+        if DIST_OF.get(n, n).lower().replace("_", "-") not in declared
+    )
+    assert not missing, f"{PACKAGES[module]} imports {missing} without declaring them in pyproject.toml"
+
+
+def test_config_modules_import_only_pydantic():
+    for module, dist in PACKAGES.items():
+        config = ROOT / "packages" / dist / "src" / module / "config.py"
+        used = imports_of(config.parent)[str(config.relative_to(ROOT))]
+        assert used <= {"__future__", "typing", "pydantic", *PACKAGES}, (config, used)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", sorted(PACKAGES.values()))
+def test_each_package_builds_a_wheel_alone(dist, tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT / "packages" / dist),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    [wheel] = tmp_path.glob("*.whl")
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    module = dist.replace("-", "_")
+    assert f"{module}/__init__.py" in names and f"{module}/config.py" in names
