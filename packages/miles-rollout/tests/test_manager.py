@@ -1,4 +1,6 @@
 import asyncio
+import sys
+import types
 
 import pytest
 from transformers import AutoTokenizer
@@ -31,19 +33,19 @@ def test_groups_of_n_samples_are_scored(manager_parts):
     assert [t.stage for t in batch.timings] == ["rollout", "reward"]
 
 
-def test_custom_reward_by_dotted_path(manager_parts):
-    engine, tokenizer = manager_parts
-    config = RolloutConfig(num_samples_per_prompt=2, reward="tests_rewards_helper:length_reward")
-    import sys
-    import types
+def plugin_module(monkeypatch, name: str, **attrs) -> None:
+    """A user module importable by dotted path, as an installed plug-in package would be."""
+    module = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
 
-    module = types.ModuleType("tests_rewards_helper")
-    module.length_reward = lambda sample: float(len(sample.response_ids))
-    sys.modules["tests_rewards_helper"] = module
-    try:
-        batch = asyncio.run(RolloutManager(engine, tokenizer, config).generate([PromptRecord("1+1=", "2")]))
-    finally:
-        del sys.modules["tests_rewards_helper"]
+
+def test_custom_reward_by_dotted_path(manager_parts, monkeypatch):
+    engine, tokenizer = manager_parts
+    plugin_module(monkeypatch, "user_rewards", length_reward=lambda sample: float(len(sample.response_ids)))
+    config = RolloutConfig(num_samples_per_prompt=2, reward="user_rewards:length_reward")
+    batch = asyncio.run(RolloutManager(engine, tokenizer, config).generate([PromptRecord("1+1=", "2")]))
     assert [s.reward for s in batch.samples] == [float(len(s.response_ids)) for s in batch.samples]
 
 
@@ -53,17 +55,9 @@ def test_multi_token_stop_string_is_refused(manager_parts):
         RolloutManager(engine, tokenizer, RolloutConfig(sampling=SamplingConfig(stop=["12"])))
 
 
-def test_evaluate_reports_accuracy(manager_parts):
+def test_evaluate_reports_accuracy(manager_parts, monkeypatch):
     engine, tokenizer = manager_parts
-    manager = RolloutManager(engine, tokenizer, RolloutConfig(reward="tests_always_one:reward"))
-    import sys
-    import types
-
-    module = types.ModuleType("tests_always_one")
-    module.reward = lambda sample: 1.0
-    sys.modules["tests_always_one"] = module
-    try:
-        metrics = asyncio.run(manager.evaluate([PromptRecord("1+1=", "2")] * 3))
-    finally:
-        del sys.modules["tests_always_one"]
-    assert metrics["eval/accuracy"] == 1.0
+    plugin_module(monkeypatch, "user_rewards_half", reward=lambda sample: float(sample.prompt == "1+1="))
+    manager = RolloutManager(engine, tokenizer, RolloutConfig(reward="user_rewards_half:reward"))
+    metrics = asyncio.run(manager.evaluate([PromptRecord("1+1=", "2"), PromptRecord("2+2=", "4")]))
+    assert metrics["eval/accuracy"] == 0.5

@@ -29,6 +29,11 @@ def contract_batch() -> TrainBatch:
     return TrainBatch(**rows)
 
 
+def snapshot(backend) -> dict[str, torch.Tensor]:
+    # Exported tensors may alias live parameters (on CPU), so copy them before training on.
+    return {name: tensor.clone() for name, tensor in backend.export_weights()}
+
+
 def main() -> None:
     model_dir, rank, world_size, port, out, ckpt = sys.argv[1:7]
     mixed = sys.argv[7] if len(sys.argv) > 7 else "none"
@@ -43,16 +48,18 @@ def main() -> None:
     )
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")
     batch = contract_batch()
-    result = {"initial": dict(backend.export_weights())}
+    result = {"initial": snapshot(backend)}
     result["logprobs"] = backend.compute_logprobs(batch)
     result["metrics"] = backend.train_step(batch)
-    result["after"] = dict(backend.export_weights())
+    result["after"] = snapshot(backend)
+    result["logprobs_after"] = backend.compute_logprobs(batch)
     backend.save(ckpt)
     result["metrics2"] = backend.train_step(batch)
     result["after2_fp"] = weight_fingerprint(backend.export_weights())
     backend.load(ckpt)
-    result["reloaded"] = dict(backend.export_weights())
+    result["reloaded"] = snapshot(backend)
     result["metrics_after_reload"] = backend.train_step(batch)
+    result["after_reload_step_fp"] = weight_fingerprint(backend.export_weights())
     backend.shutdown()
     if rank == 0:
         torch.save(result, out)

@@ -45,8 +45,8 @@ def run_ranks(model_dir, world_size: int, tmp_path, mixed: str = "none") -> dict
         for r in range(world_size)
     ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-3000:]
+    failed = [f"rank {r}:\n{log[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode]
+    assert not failed, "\n".join(failed)
     return torch.load(out, weights_only=False)
 
 
@@ -102,9 +102,17 @@ def test_two_ranks_train_like_one(ws1, ws2):
         assert torch.allclose(ws2["after"][name], tensor, atol=3e-3), name  # ≤ a few Adam steps of lr=1e-3
 
 
-def test_a_step_changes_weights_and_reduces_loss(ws1):
-    assert any(not torch.equal(ws1["after"][n], t) for n, t in ws1["initial"].items())
-    assert ws1["metrics2"]["train/loss"] < ws1["metrics"]["train/loss"]
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_step_moves_probability_towards_positive_advantages(world_size, ws1, ws2):
+    result = {1: ws1, 2: ws2}[world_size]
+    assert any(not torch.equal(result["after"][n], t) for n, t in result["initial"].items())
+    batch = contract_batch()
+    advantages = group_advantages(batch.rewards, batch.group_index)
+    gain = sum(
+        float(a) * (sum(after) - sum(before))
+        for a, before, after in zip(advantages, result["logprobs"], result["logprobs_after"], strict=True)
+    )
+    assert gain > 0, "the GRPO step must raise the likelihood of better-than-average responses"
 
 
 def test_save_load_round_trip(ws1, ws2):
@@ -113,12 +121,13 @@ def test_save_load_round_trip(ws1, ws2):
     for result in (ws1, ws2):
         assert weight_fingerprint(result["reloaded"].items()) == weight_fingerprint(result["after"].items())
         assert weight_fingerprint(result["reloaded"].items()) != result["after2_fp"]
-        # optimizer state came back too: the step after reload repeats the step after save
-        assert result["metrics_after_reload"]["train/loss"] == pytest.approx(result["metrics2"]["train/loss"], abs=1e-6)
+        # optimizer state came back too: the step after reload repeats the step after save bit for bit
+        assert result["after_reload_step_fp"] == result["after2_fp"]
+        assert result["metrics_after_reload"]["train/kl"] == result["metrics2"]["train/kl"]
 
 
 def test_bf16_mixed_precision_runs(tiny_model_dir, tmp_path, ws1):
     result = run_ranks(tiny_model_dir, 1, tmp_path, mixed="bf16")
     assert result["after"]["lm_head.weight"].dtype == torch.float32  # fp32 master weights
     assert result["metrics"]["train/loss"] == pytest.approx(ws1["metrics"]["train/loss"], abs=5e-2)
-    assert result["metrics2"]["train/loss"] < result["metrics"]["train/loss"]
+    assert any(not torch.equal(result["after"][n], t) for n, t in result["initial"].items())

@@ -29,7 +29,10 @@ class TrainerBackend(Protocol):
         ...
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) tensors under HF names. Collective: call on every rank; rank 0 yields them."""
+        """Full (unsharded) tensors under HF names. Collective: call on every rank; rank 0 yields them.
+
+        The tensors may alias live parameters: consume or copy them before the next `train_step`.
+        """
         ...
 
     def save(self, directory: str | Path) -> None: ...

@@ -89,7 +89,9 @@ class HFEngine:
         return results  # type: ignore[return-value]
 
     def _wait_if_paused(self) -> bool:
-        """Block while paused; True when the caller must abort its requests."""
+        """Block while paused in place; True when the caller must abort its requests."""
+        if self._abort:
+            return True
         self._resumed.wait()
         return self._abort
 

@@ -89,6 +89,11 @@ class FSDP2Backend:
         old_logprobs = None
         if grpo.old_logprobs == "recompute":
             old_logprobs = self._padded_logprobs(batch)
+        if len(batch) < grpo.num_minibatches * self.world_size:
+            raise ValueError(
+                f"fsdp2: a batch of {len(batch)} samples cannot give each of {self.world_size} ranks a row in "
+                f"each of {grpo.num_minibatches} minibatches"
+            )
         for rows in minibatches:
             # Token count of this minibatch over all ranks: the denominator of the token mean.
             num_tokens = float(sum(sum(batch.loss_mask[i]) for i in rows))
@@ -97,7 +102,10 @@ class FSDP2Backend:
             c = collate(part, self.pad_token_id)
             c = _to(c, self.device)
             logprobs, entropy = token_logprobs(self.model, c, batch.temperature, with_entropy=True)
-            old = c.rollout_logprobs if old_logprobs is None else old_logprobs[local].to(self.device)
+            if old_logprobs is None:
+                old = c.rollout_logprobs
+            else:  # the whole batch is padded wider than this rank's part: trim the right padding
+                old = old_logprobs[local][:, : c.loss_mask.shape[1]].to(self.device)
             adv = advantages[local].to(self.device)[:, None].expand_as(logprobs)
             pg, ratio, clipped = clipped_policy_loss(logprobs, old, adv, grpo.clip_eps, grpo.clip_eps_high)
             per_token = pg
