@@ -80,6 +80,9 @@ def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
     from miles_rollout.tasks.arithmetic import ALPHABET, arithmetic_prompts, build_char_tokenizer
     from miles_train.sft import supervised_finetune
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the CLI shows its own progress
     started = time.time()
     tokenizer = build_char_tokenizer(ALPHABET)
     torch.manual_seed(config.seed)
