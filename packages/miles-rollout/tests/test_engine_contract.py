@@ -123,3 +123,9 @@ def test_receive_rejects_incomplete_or_foreign_weights(engine, tiny_model_dir):
     with pytest.raises(KeyError, match="not.a.weight"):
         engine.receive(sender.publish([*weights, ("not.a.weight", torch.zeros(1))], weight_version=3))
     assert engine.weight_version == 0
+
+
+def test_tiny_top_p_samples_the_greedy_token(engine):
+    greedy = asyncio.run(engine.generate(requests(4, SamplingParams(temperature=0.0, max_new_tokens=5))))
+    nucleus = asyncio.run(engine.generate(requests(4, SamplingParams(temperature=1.5, top_p=1e-6, max_new_tokens=5))))
+    assert [r.output_ids for r in nucleus] == [r.output_ids for r in greedy]

@@ -76,11 +76,10 @@ def build_builtin_model(config: BuiltinModelConfig, digits: int = 2, root: Path 
 def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from miles_rollout.tasks.arithmetic import ALPHABET, arithmetic_prompts, build_char_tokenizer
     from miles_train.sft import supervised_finetune
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the CLI shows its own progress
     started = time.time()
