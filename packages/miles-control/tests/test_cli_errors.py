@@ -65,3 +65,16 @@ def test_missing_model_folder_is_named(tmp_path):
     )
     assert result.returncode == 1
     assert f"model.path: {tmp_path}/nowhere is not an HF model folder" in result.stderr
+
+
+def test_data_arithmetic_writes_loadable_jsonl(tmp_path):
+    from miles_rollout.data import load_prompts
+
+    out = tmp_path / "a.jsonl"
+    args = [*MILES, "data", "arithmetic", str(out), "--num-prompts", "20", "--seed", "3", "--operations", "+*"]
+    subprocess.run(args, check=True, capture_output=True)
+    records = load_prompts(out)
+    assert len(records) == 20 and all(r.prompt.endswith("=") for r in records)
+    assert {r.prompt[2] for r in records} <= {"+", "*"}
+    bad = subprocess.run([*MILES, "data", "arithmetic", str(out), "--operations", "/"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--operations" in bad.stderr

@@ -88,6 +88,30 @@ def run(
     print_summary(store, job_id)
 
 
+data_app = typer.Typer(help="Generate task data.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("arithmetic")
+def data_arithmetic(
+    out: Annotated[Path, typer.Argument(help="JSONL file to write (fields: prompt, label).")],
+    num_prompts: Annotated[int, typer.Option("--num-prompts", min=1)] = 1000,
+    seed: Annotated[int, typer.Option()] = 0,
+    digits: Annotated[int, typer.Option(min=1, max=6)] = 2,
+    operations: Annotated[str, typer.Option(help="Any of + - * (e.g. '+-').")] = "+",
+) -> None:
+    """Write seeded integer-arithmetic prompts, e.g. {"prompt": "37+58=", "label": "95"}."""
+    from miles_rollout.data import write_jsonl
+    from miles_rollout.tasks.arithmetic import arithmetic_prompts
+
+    bad = sorted(set(operations) - set("+-*"))
+    if bad or not operations:
+        console.print(f"[bold red]error:[/] --operations: {bad or 'empty'} not among + - *")
+        raise typer.Exit(2)
+    write_jsonl(arithmetic_prompts(num_prompts, seed, digits, tuple(operations)), out)
+    console.print(f"wrote {num_prompts} prompts to {out}")
+
+
 def print_summary(store, job_id: int) -> None:
     from miles_control.summary import summarize
 
@@ -99,6 +123,9 @@ def print_summary(store, job_id: int) -> None:
     for st in s.stages:
         tps = "-" if st.tokens_per_s is None else f"{st.tokens_per_s:,.0f}"
         table.add_row(st.stage, str(st.count), f"{st.total_s:.2f}", f"{st.share_of_wall:.1%}", tps)
+    if s.wall_s > 0:  # what no stage accounts for: driver, Ray calls, batch conversion, store writes
+        other = max(0.0, s.wall_s - sum(st.total_s for st in s.stages))
+        table.add_row("[dim]other[/]", "", f"{other:.2f}", f"{other / s.wall_s:.1%}", "")
     out.print(table)
     if s.weight_sync_s:
         out.print(
