@@ -1,6 +1,7 @@
 """Contract suite for RolloutEngine, run against every implementation that exists here."""
 
 import asyncio
+import importlib.util
 import threading
 import time
 
@@ -9,16 +10,40 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles_rollout import FinishReason, GenerateRequest, HFEngineConfig, RolloutEngine, SamplingParams, build_engine
+from miles_rollout.config import SGLangEngineConfig
 from miles_sync import SyncConfig, build_sender
 
 ENGINE_CONFIGS = {"hf": HFEngineConfig()}
+if importlib.util.find_spec("sglang") is not None:
+    ENGINE_CONFIGS["sglang"] = SGLangEngineConfig(type="sglang", max_total_tokens=8192)
+ENGINE_MARKS = {"sglang": [pytest.mark.sglang, pytest.mark.slow]}
 
 
-@pytest.fixture(params=sorted(ENGINE_CONFIGS))
-def engine(request, tiny_model_dir):
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=ENGINE_MARKS.get(name, [])) for name in sorted(ENGINE_CONFIGS)],
+)
+def module_engine(request, tiny_model_dir):
     eng = build_engine(ENGINE_CONFIGS[request.param], tiny_model_dir, seed=0)
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture
+def engine(module_engine, tiny_model_dir, tmp_path):
+    """One engine per module (SGLang servers take seconds to start), reset after every test."""
+    yield module_engine
+    asyncio.run(module_engine.resume())
+    if module_engine.weight_version != 0:
+        original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters()
+        module_engine.receive(publish([(n, p.detach()) for n, p in original], 0, tmp_path / "reset"))
+
+
+def publish(weights, version: int, folder, bucket_bytes: int = 64 << 20):
+    """Publish through the disk transport, which every engine accepts."""
+    return build_sender(SyncConfig(transport="disk", dir=str(folder), bucket_bytes=bucket_bytes)).publish(
+        weights, weight_version=version
+    )
 
 
 def requests(n: int, sampling: SamplingParams) -> list[GenerateRequest]:
@@ -72,32 +97,50 @@ def test_stop_token_ends_generation(engine):
     assert stopped.finish_reason == FinishReason.STOP
 
 
+def generate_in_background(engine, sampling: SamplingParams, num_requests: int = 3):
+    """Start a long generation in a thread and give it time to be in flight."""
+    out: dict = {}
+    worker = threading.Thread(
+        target=lambda: out.setdefault("r", asyncio.run(engine.generate(requests(num_requests, sampling))))
+    )
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive(), "the long generation finished before the test could pause it"
+    return worker, out
+
+
+LONG = SamplingParams(temperature=1.0, max_new_tokens=900, ignore_eos=True)
+
+
+def test_ignore_eos_generates_exactly_max_new_tokens(engine):
+    results = asyncio.run(engine.generate(requests(2, SamplingParams(max_new_tokens=40, ignore_eos=True))))
+    assert [len(r.output_ids) for r in results] == [40, 40]
+    assert all(r.finish_reason == FinishReason.LENGTH for r in results)
+
+
 def test_pause_abort_ends_in_flight_requests(engine):
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=60)
+    worker, out = generate_in_background(engine, LONG)
     asyncio.run(engine.pause("abort"))
-    results = asyncio.run(engine.generate(requests(3, sampling)))
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "abort must end in-flight requests"
     asyncio.run(engine.resume())
-    assert all(r.finish_reason == FinishReason.ABORT for r in results)
-    assert all(len(r.output_ids) < 60 for r in results)
+    assert all(r.finish_reason == FinishReason.ABORT for r in out["r"])
+    assert all(0 < len(r.output_ids) < 900 for r in out["r"])
     after = asyncio.run(engine.generate(requests(1, SamplingParams(max_new_tokens=3))))
     assert after[0].finish_reason != FinishReason.ABORT
 
 
-def test_pause_in_place_holds_until_resume_and_records_new_version(engine, tiny_model_dir):
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=())
-    handle = build_sender(SyncConfig(transport="inproc")).publish(new_weights(tiny_model_dir), weight_version=5)
+def test_pause_in_place_holds_requests_across_a_weight_push(engine, tiny_model_dir, tmp_path):
+    worker, out = generate_in_background(engine, LONG)
     asyncio.run(engine.pause("in_place"))
-    out = {}
-    worker = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(engine.generate(requests(2, sampling)))))
-    worker.start()
     time.sleep(0.5)
-    assert worker.is_alive(), "generation must wait while paused"
-    engine.receive(handle)  # a push while requests are held
+    assert worker.is_alive(), "in_place must hold requests, not end them"
+    engine.receive(publish(new_weights(tiny_model_dir), 5, tmp_path / "w"))
     asyncio.run(engine.resume())
-    worker.join(timeout=60)
+    worker.join(timeout=120)
     for r in out["r"]:
-        assert r.finish_reason != FinishReason.ABORT
-        assert r.weight_versions == [0, 5]
+        assert r.finish_reason == FinishReason.LENGTH and len(r.output_ids) == 900
+        assert r.weight_versions == [0, 5]  # a sample that spans a push records both versions
 
 
 def new_weights(model_dir):
@@ -106,23 +149,24 @@ def new_weights(model_dir):
     return [(n, p.detach() + 0.01) for n, p in model.named_parameters()]
 
 
-def test_receive_weights_sets_version_and_fingerprint(engine, tiny_model_dir):
+def test_receive_weights_sets_version_and_fingerprint(engine, tiny_model_dir, tmp_path):
     weights = new_weights(tiny_model_dir)
     before = engine.weight_fingerprint()
-    handle = build_sender(SyncConfig(transport="inproc", bucket_bytes=4096)).publish(weights, weight_version=2)
+    handle = publish(weights, 2, tmp_path / "w", bucket_bytes=4096)
     fingerprint = engine.receive(handle)
     assert fingerprint == handle.fingerprint == engine.weight_fingerprint() != before
     assert engine.weight_version == 2
 
 
-def test_receive_rejects_incomplete_or_foreign_weights(engine, tiny_model_dir):
+def test_receive_rejects_incomplete_or_foreign_weights(engine, tiny_model_dir, tmp_path):
     weights = new_weights(tiny_model_dir)
-    sender = build_sender(SyncConfig(transport="inproc"))
-    with pytest.raises(ValueError, match="lacks 1 parameters"):
-        engine.receive(sender.publish(weights[:-1], weight_version=3))
-    with pytest.raises(KeyError, match="not.a.weight"):
-        engine.receive(sender.publish([*weights, ("not.a.weight", torch.zeros(1))], weight_version=3))
+    before = engine.weight_fingerprint()
+    with pytest.raises(ValueError, match="lacks 1 parameter"):
+        engine.receive(publish(weights[:-1], 3, tmp_path / "a"))
+    with pytest.raises(ValueError, match=r"unknown weights \['not.a.weight'\]"):
+        engine.receive(publish([*weights, ("not.a.weight", torch.zeros(1))], 3, tmp_path / "b"))
     assert engine.weight_version == 0
+    assert engine.weight_fingerprint() == before  # nothing was half-loaded
 
 
 def test_tiny_top_p_samples_the_greedy_token(engine):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +22,24 @@ class HFEngineConfig(_Strict):
     num_threads: int | None = Field(None, gt=0, description="torch threads for this engine; None keeps torch's.")
 
 
+class SGLangEngineConfig(_Strict):
+    """SGLang HTTP servers: launched and supervised here, or attached to by URL."""
+
+    type: Literal["sglang"]
+    urls: list[str] = Field(default_factory=list, description="Attach to running servers instead of launching.")
+    num_engines: int = Field(1, gt=0, description="Servers to launch when `urls` is empty.")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    max_total_tokens: int = Field(65536, gt=0, description="KV-cache size per server, in tokens.")
+    startup_timeout_s: float = Field(180.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
+    extra_args: list[str] = Field(default_factory=list, description="More `sglang.launch_server` flags.")
+    log_dir: str | None = Field(None, description="Server logs; a temporary folder when None.")
+
+
+EngineConfig = Annotated[HFEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
+
+
 class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -38,7 +56,7 @@ class EvalConfig(_Strict):
 class RolloutConfig(_Strict):
     """What the rollout side does each step."""
 
-    engine: HFEngineConfig = Field(default_factory=HFEngineConfig)
+    engine: EngineConfig = Field(default_factory=HFEngineConfig)
     num_prompts_per_step: int = Field(64, gt=0)
     num_samples_per_prompt: int = Field(8, gt=0, description="Group size n for GRPO.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

@@ -13,6 +13,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 8
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, tests)
 
 
 @dataclass

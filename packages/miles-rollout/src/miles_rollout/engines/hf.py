@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from miles_rollout.config import HFEngineConfig, PauseMode
+from miles_rollout.engines.checks import check_names
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from miles_sync import WeightHandle, read_buckets, weight_fingerprint
 
@@ -108,7 +109,8 @@ class HFEngine:
             input_ids[row, width - lengths[row] :] = torch.tensor(request.input_ids)
             attention[row, width - lengths[row] :] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        stop_ids = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long)
+        eos = set() if sampling.ignore_eos else self.eos_token_ids
+        stop_ids = torch.tensor(sorted(eos | set(sampling.stop_token_ids)), dtype=torch.long)
 
         out_ids: list[list[int]] = [[] for _ in requests]
         out_lps: list[list[float]] = [[] for _ in requests]
@@ -162,7 +164,10 @@ class HFEngine:
     async def pause(self, mode: PauseMode = "in_place") -> None:
         # The KV cache lives in the decoding call, so in_place and retract both simply hold it.
         self._abort = mode == "abort"
-        self._resumed.clear()
+        if self._abort:
+            self._resumed.set()  # wake held requests so that they end as aborted
+        else:
+            self._resumed.clear()
 
     async def resume(self) -> None:
         self._abort = False
@@ -176,23 +181,12 @@ class HFEngine:
 
     def receive(self, handle: WeightHandle) -> str:
         params = dict(self.model.named_parameters())
-        seen: set[str] = set()
+        # Read everything before touching the model, so a bad version is refused whole.
+        tensors = dict(pair for bucket in read_buckets(handle) for pair in bucket)
+        check_names(self.name, handle.weight_version, set(tensors), set(params))
         with self._weights_lock, torch.no_grad():
-            for bucket in read_buckets(handle):
-                for name, tensor in bucket:
-                    if name not in params:
-                        raise KeyError(
-                            f"hf engine: weight {name!r} of version {handle.weight_version} "
-                            "matches no parameter of the model"
-                        )
-                    params[name].copy_(tensor)
-                    seen.add(name)
-            missing = sorted(set(params) - seen)
-            if missing:
-                raise ValueError(
-                    f"hf engine: weight version {handle.weight_version} lacks {len(missing)} "
-                    f"parameters, e.g. {missing[:3]}"
-                )
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
             self._weight_version = handle.weight_version
         return self.weight_fingerprint()
 

@@ -1,0 +1,1 @@
+"""`sglang` engine: SGLang HTTP servers driven through SGLang's native API."""

@@ -1,0 +1,146 @@
+"""Launch and supervise one SGLang HTTP server process: health-checked start-up, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from miles_rollout.config import SGLangEngineConfig
+
+SHIM_ENV = "MILES_SGLANG_CPU_SHIM"
+
+
+class EngineStartError(RuntimeError):
+    """An SGLang server that could not start; the message names the engine and its log file."""
+
+
+def cpu_shim_path() -> Path:
+    """Where the CPU-only `sgl_kernel` import shim lives (infra/cpu/sglang_shim of the repository)."""
+    if os.environ.get(SHIM_ENV):
+        return Path(os.environ[SHIM_ENV])
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / "infra" / "cpu" / "sglang_shim"
+        if candidate.is_dir():
+            return candidate
+    raise EngineStartError(
+        f"sglang on CPU needs the sgl_kernel import shim: set {SHIM_ENV} to the folder infra/cpu/sglang_shim "
+        "of the Miles repository"
+    )
+
+
+def use_cpu(config: SGLangEngineConfig) -> bool:
+    if config.device != "auto":
+        return config.device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def resolve_dtype(config: SGLangEngineConfig, model_path: str | Path) -> str:
+    """`auto` means the checkpoint's own dtype: SGLang's `auto` would run fp32 checkpoints in half precision."""
+    if config.dtype != "auto":
+        return config.dtype
+    meta = json.loads((Path(model_path) / "config.json").read_text())
+    declared = str(meta.get("dtype") or meta.get("torch_dtype") or "float32")
+    return declared if declared in ("float32", "bfloat16", "float16") else "float32"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, num_lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return "(no log)"
+
+
+class SGLangServer:
+    """One `sglang.launch_server` process on loopback, logging to `log_path`."""
+
+    def __init__(
+        self, model_path: str | Path, config: SGLangEngineConfig, dtype: str, index: int, log_dir: Path, seed: int = 0
+    ):
+        self.index = index
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"sglang-{index}.log"
+        args = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            dtype,
+            "--max-total-tokens",
+            str(config.max_total_tokens),
+            "--random-seed",
+            str(seed + index),
+            # The warm-up request is English text; it crashes the scheduler for the character tokenizer of
+            # the built-in model, and start-up is checked with real requests below anyway.
+            "--skip-server-warmup",
+        ]
+        env = dict(os.environ)
+        if use_cpu(config):
+            # CPU-only recipe (infra/cpu/README.md): torch-native paths and the sgl_kernel import shim.
+            args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cpu_shim_path()), env.get("PYTHONPATH")]))
+        args += config.extra_args
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise EngineStartError(
+                    f"sglang engine {self.index} exited with code {code} during start-up; log {self.log_path}:\n"
+                    f"{tail(self.log_path)}"
+                )
+            try:
+                if httpx.get(f"{self.url}/model_info", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise EngineStartError(
+            f"sglang engine {self.index} did not answer within {timeout_s:.0f} s; log {self.log_path}:\n"
+            f"{tail(self.log_path)}"
+        )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the launcher's process group (server, scheduler, detokenizer), then SIGKILL."""
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=10)
