@@ -75,3 +75,20 @@ def test_two_trainer_ranks_inproc_transport(tmp_path):
     assert store.job(1).status == "succeeded", store.job(1).error
     check_weight_syncs(store, 1, 3)
     assert {s.attrs["transport"] for s in store.spans(1, "weight_sync")} == {"inproc"}
+
+
+@pytest.mark.sglang
+def test_short_demo_on_sglang(tmp_path):
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    steps = 20
+    _, store = miles_run(
+        tmp_path,
+        "rollout.engine.type=sglang",
+        f"schedule.num_steps={steps}",
+        "schedule.stop_at_accuracy=null",
+        "rollout.eval.every_steps=20",
+    )
+    assert store.job(1).status == "succeeded", store.job(1).error
+    curve = dict(store.metric_series(1, "eval/accuracy"))
+    assert curve[steps] >= curve[0] + 0.1, curve
+    check_weight_syncs(store, 1, steps)  # bit-exact: SGLang's own per-tensor checksums after every push

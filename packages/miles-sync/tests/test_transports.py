@@ -103,3 +103,13 @@ def test_unknown_transport_in_handle(tmp_path):
 
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
         read_buckets(dataclasses.replace(handle, transport="carrier-pigeon"))
+
+
+def test_disk_prunes_only_its_own_versions(tmp_path):
+    other = make_sender("disk", tmp_path)
+    foreign = other.publish(sample_weights(), weight_version=900)  # another run sharing the folder
+    mine = make_sender("disk", tmp_path, keep_versions=1)
+    mine.publish(sample_weights(), weight_version=1)
+    latest = mine.publish(sample_weights(), weight_version=2)
+    assert read_all(foreign).keys() == read_all(latest).keys()
+    assert not (tmp_path / "w" / "v00000001").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,7 +47,9 @@ def run_job(
         from miles_control.schedules import SCHEDULES
 
         started_ray = ensure_ray(spec.ray)
-        run_dir = Path(spec.output_dir) / f"job-{job_id}"
+        # Absolute (actors and servers have other working directories) and unique across stores.
+        run_dir = Path(spec.output_dir).resolve() / f"job-{job_id}-{uuid.uuid4().hex[:8]}"
+        recorder.event("run_dir", f"run folder {run_dir}", path=str(run_dir))
         runtime = JobRuntime(spec, model_path, recorder, train_prompts, eval_prompts, run_dir)
         store.set_status(job_id, JobStatus.RUNNING)
         on_phase("running")

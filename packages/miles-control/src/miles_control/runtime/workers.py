@@ -87,8 +87,8 @@ class RolloutWorker:
 
         job = JobSpec.model_validate(spec)
         self.config = job.rollout
-        if job.rollout.engine.num_threads is None:
-            torch.set_num_threads(os.cpu_count() or 1)
+        # Ray limits an actor to its fractional CPU share; in the sync schedule rollout has the machine.
+        torch.set_num_threads(os.cpu_count() or 1)
         self.engine = build_engine(job.rollout.engine, Path(model_path), seed=job.seed)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.manager = RolloutManager(self.engine, tokenizer, job.rollout)

@@ -27,6 +27,7 @@ class DiskSender(BucketedSender):
 
     def __init__(self, config: SyncConfig) -> None:
         super().__init__(config)
+        self._published: list[Path] = []
         if config.dir is None:
             self._root = Path(tempfile.mkdtemp(prefix="miles-weights-"))
             self._owns_root = True
@@ -62,9 +63,11 @@ class DiskSender(BucketedSender):
         return handle
 
     def _prune(self) -> None:
-        versions = sorted(p for p in self._root.glob("v*") if p.is_dir())
-        for old in versions[: -self.config.keep_versions]:
-            shutil.rmtree(old, ignore_errors=True)
+        # Only versions this sender wrote: the folder may be shared with other runs.
+        if self._final not in self._published:
+            self._published.append(self._final)
+        while len(self._published) > self.config.keep_versions:
+            shutil.rmtree(self._published.pop(0), ignore_errors=True)
 
     def close(self) -> None:
         if self._owns_root:
