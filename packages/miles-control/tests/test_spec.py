@@ -49,7 +49,11 @@ def test_discriminated_choices(tmp_path):
     errors = errors_of(write(tmp_path, "name: x\nmodel:\n  source: hub\n"))
     assert errors[0].startswith("model: Input tag 'hub' found using 'source' does not match")
     errors = errors_of(write(tmp_path, "name: x\nrollout:\n  engine:\n    type: vllm\n"))
-    assert errors[0].startswith("rollout.engine.type: Input should be 'hf'")
+    assert errors[0] == (
+        "rollout.engine: Input tag 'vllm' found using 'type' does not match any of the expected tags: 'hf', 'sglang'"
+    )
+    spec = load_spec(write(tmp_path, "name: x\nrollout:\n  engine:\n    type: sglang\n    num_engines: 2\n"))
+    assert spec.rollout.engine.type == "sglang" and spec.rollout.engine.num_engines == 2
     spec = load_spec(write(tmp_path, "name: x\nmodel:\n  source: path\n  path: /m\n"))
     assert isinstance(spec.model, PathModelConfig)
 
