@@ -1,6 +1,18 @@
-"""Checks every engine applies to a published weight version before loading it."""
+"""What every engine shares: grouping requests by sampling parameters, checks on weight versions."""
 
 from __future__ import annotations
+
+from collections import defaultdict
+
+from miles_rollout.types import GenerateRequest, SamplingParams
+
+
+def group_by_sampling(requests: list[GenerateRequest]) -> dict[SamplingParams, list[int]]:
+    """Indices of `requests` per distinct sampling parameters (one batched call each)."""
+    groups: dict[SamplingParams, list[int]] = defaultdict(list)
+    for index, request in enumerate(requests):
+        groups[request.sampling].append(index)
+    return groups
 
 
 def check_names(engine: str, weight_version: int, published: set[str], expected: set[str]) -> None:

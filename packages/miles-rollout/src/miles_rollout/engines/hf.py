@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from miles_rollout.config import HFEngineConfig, PauseMode
-from miles_rollout.engines.checks import check_names
+from miles_rollout.engines.checks import check_names, group_by_sampling
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from miles_sync import WeightHandle, read_buckets, weight_fingerprint
 
@@ -77,9 +76,7 @@ class HFEngine:
         return self._weight_version
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        by_params: dict[SamplingParams, list[int]] = defaultdict(list)
-        for index, request in enumerate(requests):
-            by_params[request.sampling].append(index)
+        by_params = group_by_sampling(requests)
         results: list[GenerateResult | None] = [None] * len(requests)
         for sampling, indices in by_params.items():
             for start in range(0, len(indices), self.config.max_batch_size):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import httpx
@@ -17,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from miles_rollout.config import PauseMode, SGLangEngineConfig
-from miles_rollout.engines.checks import check_names
+from miles_rollout.engines.checks import check_names, group_by_sampling
 from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer, resolve_dtype
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
@@ -84,9 +83,7 @@ class SGLangEngine:
         return self._weight_version
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        by_params: dict[SamplingParams, list[int]] = defaultdict(list)
-        for index, request in enumerate(requests):
-            by_params[request.sampling].append(index)
+        by_params = group_by_sampling(requests)
         calls = []
         for sampling, indices in by_params.items():
             per_server = [indices[i :: len(self.urls)] for i in range(len(self.urls))]
