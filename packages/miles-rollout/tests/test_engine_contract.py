@@ -130,11 +130,12 @@ def test_pause_abort_ends_in_flight_requests(engine):
     assert after[0].finish_reason != FinishReason.ABORT
 
 
-def test_pause_in_place_holds_requests_across_a_weight_push(engine, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_holds_requests_across_a_weight_push(engine, tiny_model_dir, tmp_path, mode):
     worker, out = generate_in_background(engine, LONG)
-    asyncio.run(engine.pause("in_place"))
+    asyncio.run(engine.pause(mode))
     time.sleep(0.5)
-    assert worker.is_alive(), "in_place must hold requests, not end them"
+    assert worker.is_alive(), f"{mode} must hold requests, not end them"
     engine.receive(publish(new_weights(tiny_model_dir), 5, tmp_path / "w"))
     asyncio.run(engine.resume())
     worker.join(timeout=120)
