@@ -34,3 +34,26 @@ def test_model_sglang_cannot_load_fails_at_start_with_its_log(tiny_model_dir, tm
     assert "sglang engine 0 exited with code" in message
     assert str(tmp_path / "logs" / "sglang-0.log") in message
     assert "NoSuchArchitectureForCausalLM" in message  # SGLang's own words, from the log tail
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
+def test_failure_after_launch_leaves_no_server_behind(tiny_model_dir, tmp_path):
+    import subprocess
+
+    import torch
+    from safetensors.torch import load_file
+
+    # Weights as pytorch_model.bin: SGLang serves them, but the engine checks weights from safetensors
+    # files, so construction fails after the server is up.
+    folder = tmp_path / "bin-model"
+    folder.mkdir()
+    for item in tiny_model_dir.iterdir():
+        if item.suffix == ".safetensors":
+            torch.save(load_file(str(item)), folder / "pytorch_model.bin")
+        else:
+            (folder / item.name).write_bytes(item.read_bytes())
+    with pytest.raises(EngineStartError, match="no \\*.safetensors weights"):
+        build_engine(SGLangEngineConfig(type="sglang", log_dir=str(tmp_path / "logs")), folder)
+    running = subprocess.run(["pgrep", "-f", f"--model-path {folder}"], capture_output=True, text=True).stdout
+    assert not running.strip(), "the launched server must be stopped"

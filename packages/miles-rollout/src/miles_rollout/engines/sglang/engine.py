@@ -43,6 +43,14 @@ class SGLangEngine:
         self.servers: list[SGLangServer] = []
         dtype_name = resolve_dtype(config, model_path)
         self.param_dtype = getattr(torch, dtype_name)
+        self._client = httpx.Client(timeout=config.request_timeout_s)
+        try:
+            self._start(model_path, config, dtype_name, seed)
+        except BaseException:
+            self.shutdown()  # never leave launched servers behind a failed start
+            raise
+
+    def _start(self, model_path: str | Path, config: SGLangEngineConfig, dtype_name: str, seed: int) -> None:
         if config.urls:
             self.urls = [u.rstrip("/") for u in config.urls]
         else:
@@ -50,17 +58,13 @@ class SGLangEngine:
             self.servers = [
                 SGLangServer(model_path, config, dtype_name, i, log_dir, seed) for i in range(config.num_engines)
             ]
-            try:
-                for server in self.servers:
-                    server.wait_ready(config.startup_timeout_s)
-            except BaseException:
-                self.shutdown()
-                raise
+            for server in self.servers:
+                server.wait_ready(config.startup_timeout_s)
             self.urls = [s.url for s in self.servers]
-        self._client = httpx.Client(timeout=config.request_timeout_s)
         for url in self.urls:
             self._check_reachable(url)
         self._weight_version = 0
+        self._pause_mode: PauseMode | None = None
         initial = _folder_tensors(Path(model_path))
         self._expected = expected_checksums(initial, self.param_dtype)
         self._fingerprint = weight_fingerprint(initial, self.param_dtype)
@@ -200,8 +204,7 @@ class SGLangEngine:
     def shutdown(self) -> None:
         for server in self.servers:
             server.stop()
-        if hasattr(self, "_client"):
-            self._client.close()
+        self._client.close()
 
 
 def _folder_tensors(folder: Path) -> list:
