@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 
@@ -21,10 +22,7 @@ def test_unreachable_url_is_named(tiny_model_dir):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 def test_model_sglang_cannot_load_fails_at_start_with_its_log(tiny_model_dir, tmp_path):
-    broken = tmp_path / "broken-model"
-    broken.mkdir()
-    for item in tiny_model_dir.iterdir():
-        (broken / item.name).write_bytes(item.read_bytes())
+    broken = shutil.copytree(tiny_model_dir, tmp_path / "broken-model")
     config = json.loads((broken / "config.json").read_text())
     config["architectures"] = ["NoSuchArchitectureForCausalLM"]
     (broken / "config.json").write_text(json.dumps(config))
@@ -46,13 +44,9 @@ def test_failure_after_launch_leaves_no_server_behind(tiny_model_dir, tmp_path):
 
     # Weights as pytorch_model.bin: SGLang serves them, but the engine checks weights from safetensors
     # files, so construction fails after the server is up.
-    folder = tmp_path / "bin-model"
-    folder.mkdir()
-    for item in tiny_model_dir.iterdir():
-        if item.suffix == ".safetensors":
-            torch.save(load_file(str(item)), folder / "pytorch_model.bin")
-        else:
-            (folder / item.name).write_bytes(item.read_bytes())
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "bin-model", ignore=shutil.ignore_patterns("*.safetensors"))
+    [weights] = tiny_model_dir.glob("*.safetensors")
+    torch.save(load_file(str(weights)), folder / "pytorch_model.bin")
     with pytest.raises(EngineStartError, match="no \\*.safetensors weights"):
         build_engine(SGLangEngineConfig(type="sglang", log_dir=str(tmp_path / "logs")), folder)
     running = subprocess.run(["pgrep", "-f", f"--model-path {folder}"], capture_output=True, text=True).stdout
