@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
-from miles_sync.types import NamedTensor, NamedTensors, WeightHandle
+from miles_sync.types import NamedTensors, WeightHandle
 
 
 @runtime_checkable
@@ -29,6 +28,3 @@ class WeightReceiver(Protocol):
     def receive(self, handle: WeightHandle) -> str:
         """Load the weights of `handle`, take its version, and return the fingerprint now held."""
         ...
-
-
-BucketIterator = Iterator[list[NamedTensor]]

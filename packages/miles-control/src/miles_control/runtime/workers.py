@@ -50,9 +50,6 @@ class TrainerWorker:
         metrics = self.backend.train_step(batch)
         return metrics, start, time.time()
 
-    def compute_logprobs(self, batch) -> list[list[float]]:
-        return self.backend.compute_logprobs(batch)
-
     def publish_weights(self, weight_version: int) -> tuple[WeightHandle | None, float, float]:
         """Gather full weights (collective on every rank) and publish them from rank 0."""
         start = time.time()
@@ -117,9 +114,6 @@ class RolloutWorker:
 
         fingerprint = asyncio.run(push())
         return fingerprint, self.engine.weight_version, start, time.time()
-
-    def weight_fingerprint(self) -> str:
-        return self.engine.weight_fingerprint()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
