@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from miles_rollout import FinishReason, GenerateRequest, HFEngineConfig, RolloutEngine, SamplingParams, build_engine
 from miles_rollout.config import SGLangEngineConfig
-from miles_sync import SyncConfig, build_sender
+from miles_sync import SyncConfig, build_sender, weight_fingerprint
 
 ENGINE_CONFIGS = {"hf": HFEngineConfig()}
 if importlib.util.find_spec("sglang") is not None:
@@ -174,3 +174,24 @@ def test_tiny_top_p_samples_the_greedy_token(engine):
     greedy = asyncio.run(engine.generate(requests(4, SamplingParams(temperature=0.0, max_new_tokens=5))))
     nucleus = asyncio.run(engine.generate(requests(4, SamplingParams(temperature=1.5, top_p=1e-6, max_new_tokens=5))))
     assert [r.output_ids for r in nucleus] == [r.output_ids for r in greedy]
+
+
+@pytest.mark.parametrize("transport", ["disk", "tensor", "broadcast"])
+def test_every_transport_loads_and_passes_the_equality_check(engine, tiny_model_dir, tmp_path, transport):
+    weights = new_weights(tiny_model_dir)
+    config = SyncConfig(transport=transport, dir=str(tmp_path / "w"), bucket_bytes=8192, timeout_s=60)
+    sender = build_sender(config, num_receivers=engine.broadcast_ranks)
+    try:
+        for version in (7, 8):
+            handle = sender.publish(weights, weight_version=version)
+            assert handle.num_buckets > 1  # several buckets travel, in order
+            assert engine.receive(handle) == handle.fingerprint == weight_fingerprint(weights)
+            if transport == "broadcast":
+                sender.wait(30)
+            assert engine.weight_version == version
+            assert engine.weight_fingerprint() == handle.fingerprint
+            weights = [(n, t + 0.01) for n, t in weights]
+        out = asyncio.run(engine.generate(requests(2, SamplingParams(max_new_tokens=3))))
+        assert all(r.weight_versions == [8] for r in out)  # the engine serves the new version
+    finally:
+        sender.close()

@@ -1,5 +1,13 @@
 """Contract suite for every transport: publish → read back is bit-exact, bucketed, versioned."""
 
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -55,12 +63,12 @@ def test_small_buckets_split_but_never_split_a_tensor(transport, tmp_path):
     weights = sample_weights()
     sender = make_sender(transport, tmp_path, bucket_bytes=300)  # smaller than the 512-byte embeddings
     handle = sender.publish(weights, weight_version=1)
-    buckets = list(read_buckets(handle))
+    buckets = list(read_buckets(handle))  # read once: a broadcast is received once per rank
     assert handle.num_buckets == len(buckets) > 1
     for bucket in buckets:
         size = sum(t.numel() * t.element_size() for _, t in bucket)
         assert size <= 300 or len(bucket) == 1
-    assert read_all(handle).keys() == {n for n, _ in weights}
+    assert {n for bucket in buckets for n, _ in bucket} == {n for n, _ in weights}
 
 
 def test_wire_dtype_casts_floats_only(transport, tmp_path):
@@ -78,8 +86,9 @@ def test_published_version_is_immutable(transport, tmp_path):
     sender = make_sender(transport, tmp_path)
     handle = sender.publish(weights, weight_version=1)
     weights[0][1].add_(1.0)  # the trainer keeps training after publishing
-    assert read_all(handle)["model.embed_tokens.weight"].sum() != weights[0][1].sum()
-    assert weight_fingerprint(read_all(handle).items()) == handle.fingerprint
+    got = read_all(handle)
+    assert got["model.embed_tokens.weight"].sum() != weights[0][1].sum()
+    assert weight_fingerprint(got.items()) == handle.fingerprint
 
 
 def test_empty_publish_is_refused(transport, tmp_path):
@@ -113,3 +122,75 @@ def test_disk_prunes_only_its_own_versions(tmp_path):
     latest = mine.publish(sample_weights(), weight_version=2)
     assert read_all(foreign).keys() == read_all(latest).keys()
     assert not (tmp_path / "w" / "v00000001").exists()
+
+
+READ_IN_CHILD = """
+import pickle, sys
+from miles_sync import read_buckets, weight_fingerprint
+from miles_sync.transports.broadcast import read_broadcast
+handle = pickle.loads(sys.stdin.buffer.read())
+buckets = read_broadcast(handle, int(sys.argv[1])) if handle.transport == "broadcast" else read_buckets(handle)
+print(weight_fingerprint([p for bucket in buckets for p in bucket]))
+"""
+
+
+def read_in_subprocess(handle, rank: int = 1) -> subprocess.Popen:
+    payload = tempfile.NamedTemporaryFile(suffix=".pkl", delete=False)
+    payload.write(pickle.dumps(handle))
+    payload.close()
+    return subprocess.Popen(
+        [sys.executable, "-c", READ_IN_CHILD, str(rank)], stdin=open(payload.name, "rb"), stdout=subprocess.PIPE
+    )
+
+
+@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
+def test_another_process_receives_the_exact_weights(transport, tmp_path):
+    weights = sample_weights()
+    sender = make_sender(transport, tmp_path, bucket_bytes=300)
+    try:
+        handle = sender.publish(weights, weight_version=4)
+        child = read_in_subprocess(handle)
+        out, _ = child.communicate(timeout=120)
+        assert child.returncode == 0
+        assert out.decode().strip() == handle.fingerprint == weight_fingerprint(weights)
+    finally:
+        sender.close()
+
+
+def shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"torch_{os.getpid()}_*")}
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_tensor_transport_keeps_recent_versions_and_frees_shared_memory(tmp_path):
+    before = shm_files()
+    sender = make_sender("tensor", tmp_path, keep_versions=1)
+    first = sender.publish(sample_weights(), weight_version=1)
+    assert shm_files() - before, "the published buckets live in /dev/shm"
+    second = sender.publish(sample_weights(), weight_version=2)
+    with pytest.raises(FileNotFoundError, match="weight version 1"):
+        list(read_buckets(first))  # released: only the last version is kept
+    assert read_all(second).keys() == {n for n, _ in sample_weights()}
+    sender.close()
+    gc.collect()
+    assert shm_files() <= before, "close() must release every shared-memory file"
+
+
+def test_broadcast_without_receivers_times_out_with_a_clear_error(tmp_path):
+    sender = make_sender("broadcast", tmp_path, timeout_s=2)
+    sender.publish(sample_weights(), weight_version=1)
+    with pytest.raises(RuntimeError, match="broadcast transport: sending failed"):
+        sender.wait(30)
+
+
+def test_broadcast_group_counts_every_receiver(tmp_path):
+    with pytest.raises(ValueError, match="num_receivers must be at least 1"):
+        build_sender(SyncConfig(transport="broadcast"), num_receivers=0)
+    sender = build_sender(SyncConfig(transport="broadcast"), num_receivers=3)
+    handle = sender.publish(sample_weights(), weight_version=1)
+    assert handle.group["world_size"] == 4 and handle.group["backend"] == "gloo"
+    readers = [read_in_subprocess(handle, rank) for rank in (1, 2, 3)]
+    outs = [r.communicate(timeout=120)[0].decode().strip() for r in readers]
+    sender.wait(60)
+    assert outs == [handle.fingerprint] * 3
+    sender.close()

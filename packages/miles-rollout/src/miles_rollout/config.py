@@ -35,6 +35,12 @@ class SGLangEngineConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     extra_args: list[str] = Field(default_factory=list, description="More `sglang.launch_server` flags.")
     log_dir: str | None = Field(None, description="Server logs; a temporary folder when None.")
+    max_requests_per_call: int = Field(
+        64, gt=0, description="Requests per /generate call; each call goes to the server with the fewest in flight."
+    )
+    health_interval_s: float = Field(5.0, gt=0, description="Seconds between /health_generate probes of each server.")
+    health_timeout_s: float = Field(20.0, gt=0, description="A probe slower than this quarantines the server.")
+    max_restarts: int = Field(3, ge=0, description="Restarts of a crashed server before giving up on it.")
 
 
 EngineConfig = Annotated[HFEngineConfig | SGLangEngineConfig, Field(discriminator="type")]

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TransportName = Literal["inproc", "disk"]
+TransportName = Literal["inproc", "disk", "tensor", "broadcast"]
 WireDtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -18,7 +18,8 @@ class SyncConfig(BaseModel):
     transport: TransportName = Field(
         "disk",
         description="inproc: tensors travel inside the handle (same process or Ray object store); "
-        "disk: safetensors files in `dir`, one per bucket.",
+        "disk: safetensors files in `dir`, one per bucket; tensor: shared memory (CUDA IPC on GPU), same "
+        "machine only; broadcast: torch.distributed broadcast from the trainer to the engines (gloo | nccl).",
     )
     bucket_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Maximum bytes per bucket.")
     dtype: WireDtype | None = Field(
@@ -27,7 +28,19 @@ class SyncConfig(BaseModel):
     dir: str | None = Field(
         None, description="Folder for the disk transport; a temporary folder under the run when None."
     )
-    keep_versions: int = Field(2, ge=1, description="Disk transport: how many published versions to keep.")
+    keep_versions: int = Field(
+        2, ge=1, description="disk and tensor transports: how many published versions to keep readable."
+    )
+    master_address: str = Field("127.0.0.1", description="broadcast: address the trainer's rank 0 listens on.")
+    master_port: int | None = Field(
+        None, ge=1, le=65535, description="broadcast: rendezvous port; a free port when None."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="broadcast: process-group backend; auto is nccl with a GPU, gloo without."
+    )
+    timeout_s: float = Field(
+        300.0, gt=0, description="broadcast: how long to wait for receivers to join or take a bucket."
+    )
     check_weights: bool = Field(
         True, description="After every push, compare the engine's weight fingerprint with the trainer's."
     )

@@ -29,3 +29,7 @@ class WeightHandle:
     fingerprint: str
     location: str | None = None  # disk: the folder holding the buckets
     buckets: list[list[NamedTensor]] | None = field(default=None, repr=False)  # inproc: the tensors
+    payloads: list[str] | None = field(default=None, repr=False)  # tensor: serialized shared-memory buckets
+    group: dict | None = None  # broadcast: rendezvous of the process group (address, port, name, size)
+    layout: list[list[tuple[str, str, list[int]]]] | None = field(default=None, repr=False)
+    """broadcast: per bucket, the (name, dtype, shape) of each tensor, in broadcast order."""

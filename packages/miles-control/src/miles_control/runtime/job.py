@@ -43,7 +43,7 @@ def ensure_ray(config: RayConfig) -> bool:
 class TrainerGroup:
     """All ranks of the trainer; each call runs on every rank and returns rank 0's answer."""
 
-    def __init__(self, spec: JobSpec, model_path: Path, weights_dir: Path) -> None:
+    def __init__(self, spec: JobSpec, model_path: Path, weights_dir: Path, num_receivers: int = 1) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -61,7 +61,7 @@ class TrainerGroup:
         spec_dict = spec.model_dump(mode="json")
         self.ranks = [
             actor.options(num_cpus=cpus, scheduling_strategy=on_bundle(rank), name=None).remote(
-                spec_dict, str(model_path), rank, world_size, f"tcp://{ip}:{port}", str(weights_dir)
+                spec_dict, str(model_path), rank, world_size, f"tcp://{ip}:{port}", str(weights_dir), num_receivers
             )
             for rank in range(world_size)
         ]
@@ -100,12 +100,15 @@ class JobRuntime:
         self.spec = spec
         self.recorder = recorder
         self.weight_version = 0
-        self.trainer = TrainerGroup(spec, model_path, run_dir / "weights")
         self.rollout = (
             ray.remote(RolloutWorker)
             .options(num_cpus=spec.ray.rollout_cpus)
             .remote(spec.model_dump(mode="json"), str(model_path), train_prompts, eval_prompts)
         )
+        # The broadcast transport's group has a rank for every receiver the engine brings (asking waits for the
+        # engine to start, so only then; other transports start trainer and engine side by side).
+        num_receivers = ray.get(self.rollout.broadcast_ranks.remote()) if spec.sync.transport == "broadcast" else 1
+        self.trainer = TrainerGroup(spec, model_path, run_dir / "weights", num_receivers)
 
     def generate(self, step: int):
         import ray
@@ -130,6 +133,7 @@ class JobRuntime:
         version = self.weight_version + 1
         handle, start, exported = self.trainer.call("publish_weights", version)
         engine_fp, engine_version, _, end = ray.get(self.rollout.receive_weights.remote(handle))
+        self.trainer.call("wait_published")
         self.weight_version = engine_version
         match = engine_fp == handle.fingerprint
         self.recorder.span(

@@ -26,7 +26,14 @@ class TrainerWorker:
     """One trainer rank. Rank 0 also owns the weight sender."""
 
     def __init__(
-        self, spec: dict[str, Any], model_path: str, rank: int, world_size: int, init_method: str, weights_dir: str
+        self,
+        spec: dict[str, Any],
+        model_path: str,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        weights_dir: str,
+        num_receivers: int = 1,
     ) -> None:
         import torch
 
@@ -43,7 +50,7 @@ class TrainerWorker:
         self.sender = None
         if rank == 0:
             sync: SyncConfig = job.sync.model_copy(update={"dir": job.sync.dir or weights_dir})
-            self.sender = build_sender(sync)
+            self.sender = build_sender(sync, num_receivers=num_receivers)
 
     def train_step(self, batch) -> tuple[dict[str, float], float, float]:
         start = time.time()
@@ -61,6 +68,12 @@ class TrainerWorker:
             for _ in named:  # drive the collective on non-zero ranks
                 pass
         return handle, start, time.time()
+
+    def wait_published(self) -> None:
+        """Transports that send in the background (broadcast) finish here and report their errors."""
+        wait = getattr(self.sender, "wait", None)
+        if wait is not None:
+            wait(self.sender.config.timeout_s)
 
     def save(self, directory: str) -> None:
         self.backend.save(directory)
@@ -91,6 +104,9 @@ class RolloutWorker:
         self.manager = RolloutManager(self.engine, tokenizer, job.rollout)
         self.stream = PromptStream(train_prompts, seed=job.seed)
         self.eval_prompts = eval_prompts[: job.rollout.eval.num_prompts]
+
+    def broadcast_ranks(self) -> int:
+        return self.engine.broadcast_ranks
 
     def generate(self):
         prompts = self.stream.next_batch(self.config.num_prompts_per_step)

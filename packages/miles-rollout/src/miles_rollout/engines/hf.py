@@ -75,6 +75,11 @@ class HFEngine:
     def weight_version(self) -> int:
         return self._weight_version
 
+    @property
+    def broadcast_ranks(self) -> int:
+        """Ranks this engine takes in a `broadcast` weight group: one (rank 1, this process)."""
+        return 1
+
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         by_params = group_by_sampling(requests)
         results: list[GenerateResult | None] = [None] * len(requests)

@@ -6,20 +6,32 @@ from collections.abc import Callable, Iterator
 
 from miles_sync.config import SyncConfig
 from miles_sync.protocol import WeightSender
+from miles_sync.transports.broadcast import BroadcastSender, read_broadcast
 from miles_sync.transports.disk import DiskSender, read_disk
 from miles_sync.transports.inproc import InprocSender, read_inproc
+from miles_sync.transports.tensor import TensorSender, read_tensor
 from miles_sync.types import NamedTensor, WeightHandle
 
-_SENDERS: dict[str, type] = {"inproc": InprocSender, "disk": DiskSender}
+_SENDERS: dict[str, type] = {
+    "inproc": InprocSender,
+    "disk": DiskSender,
+    "tensor": TensorSender,
+    "broadcast": BroadcastSender,
+}
 _READERS: dict[str, Callable[[WeightHandle], Iterator[list[NamedTensor]]]] = {
     "inproc": read_inproc,
     "disk": read_disk,
+    "tensor": read_tensor,
+    "broadcast": read_broadcast,
 }
 
 TRANSPORTS = tuple(_SENDERS)
 
 
-def build_sender(config: SyncConfig) -> WeightSender:
+def build_sender(config: SyncConfig, num_receivers: int = 1) -> WeightSender:
+    """The sender of `config.transport`; `num_receivers` is the number of receiving ranks (broadcast only)."""
+    if config.transport == "broadcast":
+        return BroadcastSender(config, num_receivers)
     return _SENDERS[config.transport](config)
 
 

@@ -66,6 +66,27 @@ def tail(path: Path, num_lines: int = 25) -> str:
         return "(no log)"
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def tp_size(extra_args: list[str]) -> int:
+    """Tensor-parallel ranks of a server, from `--tp-size N` / `--tp N` among the extra flags."""
+    for i, arg in enumerate(extra_args):
+        for flag in ("--tp-size", "--tp"):
+            if arg == flag and i + 1 < len(extra_args):
+                return int(extra_args[i + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return 1
+
+
 class SGLangServer:
     """One `sglang.launch_server` process on loopback, logging to `log_path`."""
 
@@ -76,6 +97,7 @@ class SGLangServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"sglang-{index}.log"
+        self.tp_size = tp_size(config.extra_args)
         args = [
             sys.executable,
             "-m",
@@ -134,15 +156,21 @@ class SGLangServer:
         return self.process.poll() is None
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the launcher's process group (server, scheduler, detokenizer), then SIGKILL."""
-        if self.process.poll() is not None:
-            return
+        """SIGTERM the launcher's process group (server, scheduler, detokenizer), then SIGKILL.
+
+        Also when the launcher itself is already gone (killed with -9): its children may live on.
+        """
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=timeout_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        except ProcessLookupError:
             self.process.wait(timeout=10)
+            return
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and _group_alive(self.process.pid):
+            self.process.poll()  # reap the leader so it does not keep the group alive as a zombie
+            time.sleep(0.1)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=10)

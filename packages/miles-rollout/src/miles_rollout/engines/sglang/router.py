@@ -1,0 +1,152 @@
+"""Router over N SGLang servers: least outstanding requests, health checks, quarantine, re-admission.
+
+A `Slot` is one server position. The router hands out the admitted slot with the fewest requests in
+flight. A background thread polls `/health_generate` on every slot; a slot that fails (or whose
+process died, or whose request failed at the transport level) is quarantined: it gets no new work
+and its in-flight requests are retried elsewhere by the caller. The owner's `recover(slot)` callback
+then brings it back (restart if the process is gone, load the current weights, verify them) and the
+slot is re-admitted once it answers `/health_generate` again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from miles_rollout.engines.sglang.server import SGLangServer
+
+log = logging.getLogger(__name__)
+
+
+class NoHealthyEngineError(RuntimeError):
+    """No engine came back within the router's wait."""
+
+
+@dataclass(eq=False)  # identity: slots are keys and are mutated
+class Slot:
+    index: int
+    url: str
+    server: SGLangServer | None = None  # None when attached by URL
+    admitted: bool = True
+    outstanding: int = 0
+    reason: str = ""  # why it was quarantined
+    restarts: int = 0
+    stale_cache: bool = False  # holds prefix-cache entries of an older weight version
+    served: int = 0  # generate calls completed
+    events: list[str] = field(default_factory=list)
+
+    def note(self, message: str) -> None:
+        self.events.append(f"{time.strftime('%H:%M:%S')} {message}")
+        log.warning("sglang engine %d (%s): %s", self.index, self.url, message)
+
+
+class Router:
+    """Picks slots for requests and keeps them healthy; `recover(slot)` is called off the event loop."""
+
+    def __init__(
+        self,
+        slots: list[Slot],
+        recover: Callable[[Slot], None],
+        health_interval_s: float,
+        health_timeout_s: float,
+        busy: threading.Lock,
+    ) -> None:
+        self.slots = slots
+        self._recover = recover
+        self._interval = health_interval_s
+        self._timeout = health_timeout_s
+        self._busy = busy  # held by weight updates: no health probes or recoveries meanwhile
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="miles-sglang-health", daemon=True)
+        self._thread.start()
+
+    @property
+    def admitted(self) -> list[Slot]:
+        return [s for s in self.slots if s.admitted]
+
+    async def acquire(self, wait_s: float) -> Slot:
+        """The admitted slot with the fewest requests in flight; waits up to `wait_s` for one."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            admitted = self.admitted
+            if admitted:
+                slot = min(admitted, key=lambda s: (s.outstanding, s.index))
+                slot.outstanding += 1
+                return slot
+            if time.monotonic() > deadline:
+                reasons = "; ".join(f"engine {s.index}: {s.reason}" for s in self.slots)
+                raise NoHealthyEngineError(f"no healthy sglang engine for {wait_s:.0f} s ({reasons})")
+            await asyncio.sleep(0.1)
+
+    @staticmethod
+    def release(slot: Slot) -> None:
+        slot.outstanding -= 1
+
+    def quarantine(self, slot: Slot, reason: str) -> None:
+        if slot.admitted:
+            slot.admitted = False
+            slot.reason = reason
+            slot.note(f"quarantined: {reason}")
+        self._wake.set()  # recover now rather than at the next tick
+
+    def _probe(self, slot: Slot) -> str | None:
+        """None when healthy, else why not."""
+        if slot.server is not None and not slot.server.alive():
+            return f"process exited with code {slot.server.process.poll()}"
+        try:
+            response = httpx.get(f"{slot.url}/health_generate", timeout=self._timeout)
+        except httpx.HTTPError as exc:
+            return f"/health_generate failed: {type(exc).__name__}"
+        return None if response.status_code == 200 else f"/health_generate answered {response.status_code}"
+
+    def check_now(self) -> None:
+        """One round of health checks and recoveries (the thread's body; callable from tests)."""
+        for slot in self.slots:
+            if self._stop.is_set():
+                return
+            if not self._busy.acquire(timeout=0.5):
+                return  # a weight update is running; try again at the next tick
+            try:
+                problem = self._probe(slot)
+                if problem and slot.admitted:
+                    self.quarantine(slot, problem)
+                elif not slot.admitted:
+                    self._try_recover(slot, problem)
+            finally:
+                self._busy.release()
+
+    def _try_recover(self, slot: Slot, problem: str | None) -> None:
+        dead = slot.server is not None and not slot.server.alive()
+        if problem and not dead:
+            return  # alive but not answering (or attached by URL): wait until it answers again
+        try:
+            self._recover(slot)  # restarts a dead process, loads and verifies the current weights
+        except Exception as exc:  # noqa: BLE001 - stays quarantined, retried at the next tick
+            slot.reason = f"recovery failed: {exc}"
+            slot.note(slot.reason)
+            return
+        if self._probe(slot) is None:
+            slot.admitted, slot.reason = True, ""
+            slot.note("re-admitted")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if not self._stop.is_set():
+                try:
+                    self.check_now()
+                except Exception:  # noqa: BLE001 - the health thread must not die
+                    log.exception("sglang health check failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
