@@ -45,6 +45,7 @@ def check_weight_syncs(store: Store, job_id: int, num_steps: int) -> None:
 
 
 def test_short_demo_learns(tmp_path):
+    """On the default engine: sglang where it is installed (as in CI), else hf."""
     steps = 60
     result, store = miles_run(
         tmp_path, f"schedule.num_steps={steps}", "schedule.stop_at_accuracy=null", "rollout.eval.every_steps=20"
@@ -77,13 +78,11 @@ def test_two_trainer_ranks_inproc_transport(tmp_path):
     assert {s.attrs["transport"] for s in store.spans(1, "weight_sync")} == {"inproc"}
 
 
-@pytest.mark.sglang
-def test_short_demo_on_sglang(tmp_path):
-    pytest.importorskip("sglang", reason="SGLang is not installed")
+def test_short_demo_on_the_hf_engine(tmp_path):
     steps = 20
     _, store = miles_run(
         tmp_path,
-        "rollout.engine.type=sglang",
+        "rollout.engine.type=hf",
         f"schedule.num_steps={steps}",
         "schedule.stop_at_accuracy=null",
         "rollout.eval.every_steps=20",
@@ -91,4 +90,25 @@ def test_short_demo_on_sglang(tmp_path):
     assert store.job(1).status == "succeeded", store.job(1).error
     curve = dict(store.metric_series(1, "eval/accuracy"))
     assert curve[steps] >= curve[0] + 0.1, curve
-    check_weight_syncs(store, 1, steps)  # bit-exact: SGLang's own per-tensor checksums after every push
+    check_weight_syncs(store, 1, steps)
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
+def test_sglang_transports_through_the_loop(tmp_path, transport):
+    """Trainer and engine are separate Ray actors: shared memory and a gloo group cross that boundary."""
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    _, store = miles_run(
+        tmp_path,
+        "rollout.engine.type=sglang",
+        f"sync.transport={transport}",
+        "sync.bucket_bytes=1000000",
+        "schedule.num_steps=3",
+        "rollout.num_prompts_per_step=16",
+        "rollout.eval.num_prompts=50",
+    )
+    assert store.job(1).status == "succeeded", store.job(1).error
+    check_weight_syncs(store, 1, 3)  # bit-exact: SGLang's own per-tensor checksums after every push
+    syncs = store.spans(1, "weight_sync")
+    assert {s.attrs["transport"] for s in syncs} == {transport}
+    assert all(s.attrs["num_buckets"] > 1 for s in syncs)

@@ -57,6 +57,27 @@ def test_least_outstanding_spreads_calls_over_both_servers(engine):
     assert min(served) >= 3, f"calls were not spread: {served}"
 
 
+def test_paused_servers_are_not_mistaken_for_unhealthy(engine, tiny_model_dir, tmp_path):
+    """A paused server does not answer /health_generate; pushes must not get it quarantined."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sender = build_sender(SyncConfig(transport="disk", dir=str(tmp_path / "w")))
+    events = [len(s.events) for s in engine.slots]
+
+    async def push(version: int) -> None:
+        await engine.pause("in_place")
+        engine.receive(sender.publish([(n, p.detach() + version / 100) for n, p in model.named_parameters()], version))
+        await asyncio.sleep(4.0)  # several health ticks (1 s) longer than the probe limit (3 s) while paused
+        await engine.resume()
+
+    for version in (10, 11):
+        asyncio.run(push(version))
+    assert [len(s.events) for s in engine.slots] == events, [s.events for s in engine.slots]
+    assert all(s.admitted for s in engine.slots)
+    out = asyncio.run(engine.generate(requests(8, SamplingParams(max_new_tokens=3))))
+    assert all(r.weight_versions == [11] for r in out)
+    sender.close()
+
+
 def test_unhealthy_server_is_quarantined_then_readmitted(engine):
     victim, other = engine.slots[1], engine.slots[0]
     pgid = victim.server.process.pid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,9 +42,21 @@ class SGLangEngineConfig(_Strict):
     health_interval_s: float = Field(5.0, gt=0, description="Seconds between /health_generate probes of each server.")
     health_timeout_s: float = Field(20.0, gt=0, description="A probe slower than this quarantines the server.")
     max_restarts: int = Field(3, ge=0, description="Restarts of a crashed server before giving up on it.")
+    verify_weights: bool = Field(
+        True,
+        description="After every weight load, compare each server's per-tensor checksums (/weights_checker) with "
+        "the published tensors: bit-exact, costs a hash of the weights on both sides.",
+    )
 
 
 EngineConfig = Annotated[HFEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
+
+
+def default_engine() -> HFEngineConfig | SGLangEngineConfig:
+    """SGLang where it is installed, else the in-process transformers engine."""
+    if importlib.util.find_spec("sglang") is not None:
+        return SGLangEngineConfig(type="sglang")
+    return HFEngineConfig()
 
 
 class SamplingConfig(_Strict):
@@ -51,6 +64,7 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(8, gt=0)
     stop: list[str] = Field(default_factory=list, description="Stop strings; each must be one token.")
+    ignore_eos: bool = Field(False, description="Generate exactly max_new_tokens (benchmarks).")
 
 
 class EvalConfig(_Strict):
@@ -62,7 +76,9 @@ class EvalConfig(_Strict):
 class RolloutConfig(_Strict):
     """What the rollout side does each step."""
 
-    engine: EngineConfig = Field(default_factory=HFEngineConfig)
+    engine: EngineConfig = Field(
+        default_factory=default_engine, description="Default: sglang where it is installed, else hf."
+    )
     num_prompts_per_step: int = Field(64, gt=0)
     num_samples_per_prompt: int = Field(8, gt=0, description="Group size n for GRPO.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

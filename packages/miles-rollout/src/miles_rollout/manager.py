@@ -49,6 +49,7 @@ class RolloutManager:
             top_p=sampling.top_p,
             max_new_tokens=sampling.max_new_tokens,
             stop_token_ids=self._stop_token_ids,
+            ignore_eos=sampling.ignore_eos,
         )
 
     async def generate(

@@ -95,8 +95,9 @@ class SGLangEngine:
         self._weight_version = 0
         self._pause_mode: PauseMode | None = None
         self._set_current(_folder_tensors(self.model_path))
-        for slot in self.slots:
-            self._verify(slot)
+        if config.verify_weights:
+            for slot in self.slots:
+                self._verify(slot)
         self.router = Router(self.slots, self._recover, config.health_interval_s, config.health_timeout_s, self._busy)
 
     def _launch(self, index: int) -> SGLangServer:
@@ -219,25 +220,35 @@ class SGLangEngine:
 
     # ---- pause, resume, health ------------------------------------------------------------------
 
-    def _each_admitted(self, path: str, body: dict | None = None) -> None:
-        """POST to every admitted server; one that is unreachable is quarantined, not fatal."""
+    def _each_live(self, path: str, body: dict | None = None) -> None:
+        """POST to every server that may be running, quarantined ones included (a paused server must get its
+        resume). A failure quarantines an admitted server and is ignored for one already quarantined."""
         assert self.router is not None
-        for slot in [s for s in self.slots if s.admitted]:
+        for slot in self.slots:
+            if slot.server is not None and not slot.server.alive():
+                continue
             try:
                 self._post(slot.url, path, body, timeout=60)
-            except httpx.TransportError as exc:
-                self.router.quarantine(slot, f"{path} failed: {type(exc).__name__}")
+            except (httpx.HTTPError, RuntimeError) as exc:
+                if slot.admitted:
+                    if not isinstance(exc, httpx.TransportError):
+                        raise
+                    self.router.quarantine(slot, f"{path} failed: {type(exc).__name__}")
 
     async def pause(self, mode: PauseMode = "in_place") -> None:
-        self._each_admitted("/pause_generation", {"mode": mode})
+        assert self.router is not None
+        self.router.hold()
         self._pause_mode = mode
+        self._each_live("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
-        self._each_admitted("/continue_generation")
+        assert self.router is not None
+        self._each_live("/continue_generation")
         self._pause_mode = None
+        self.router.release_hold()
 
     async def flush_cache(self) -> None:
-        self._each_admitted("/flush_cache")
+        self._each_live("/flush_cache")
 
     async def health(self) -> bool:
         """True when every server is admitted and answers `/health_generate`."""
@@ -252,10 +263,18 @@ class SGLangEngine:
     # ---- weights --------------------------------------------------------------------------------
 
     def _set_current(self, tensors: list[NamedTensor]) -> None:
-        """The HF tensors every server must hold now, their checksums in SGLang's layout, and fingerprint."""
+        """The HF tensors every server must hold now and their fingerprint (checksums: on first use)."""
         self._current = tensors
-        self._expected = expected_checksums(tensors, self.param_dtype)
+        self._names = {name for name, _ in tensors}
+        self._expected_cache: dict[str, str] | None = None
         self._fingerprint = weight_fingerprint(tensors, self.param_dtype)
+
+    @property
+    def _expected(self) -> dict[str, str]:
+        """Per-tensor checksums of the current weights in SGLang's layout (what /weights_checker reports)."""
+        if self._expected_cache is None:
+            self._expected_cache = expected_checksums(self._current, self.param_dtype)
+        return self._expected_cache
 
     def receive(self, handle: WeightHandle) -> str:
         loaders = {"disk": self._receive_disk, "tensor": self._receive_tensor, "broadcast": self._receive_broadcast}
@@ -267,14 +286,13 @@ class SGLangEngine:
         with self._busy:
             loaders[handle.transport](handle)
             self._weight_version = handle.weight_version
-            for slot in [s for s in self.slots if s.admitted]:
-                self._verify(slot)
+            if self.config.verify_weights:
+                for slot in [s for s in self.slots if s.admitted]:
+                    self._verify(slot)
         return self._fingerprint
 
     def _accept(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
-        check_names(
-            self.name, handle.weight_version, set(expected_checksums(tensors, self.param_dtype)), set(self._expected)
-        )
+        check_names(self.name, handle.weight_version, {name for name, _ in tensors}, self._names)
         self._set_current(tensors)
 
     def _flags(self, slot: Slot, last: bool = True) -> dict:
@@ -346,6 +364,7 @@ class SGLangEngine:
 
         group, layout = handle.group, handle.layout
         assert group is not None and layout is not None
+        check_names(self.name, handle.weight_version, {n for bucket in layout for n, _, _ in bucket}, self._names)
         offsets, next_rank = {}, 2
         for slot in self.slots:
             offsets[slot.index] = next_rank
@@ -439,7 +458,7 @@ class SGLangEngine:
                 )
 
     def weight_fingerprint(self) -> str:
-        """The HF-layout fingerprint of the weights every admitted server was verified to hold."""
+        """The HF-layout fingerprint of the weights every admitted server holds (verified now, always)."""
         for slot in [s for s in self.slots if s.admitted]:
             self._verify(slot)
         return self._fingerprint

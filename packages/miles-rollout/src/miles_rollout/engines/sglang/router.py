@@ -62,6 +62,8 @@ class Router:
         self._interval = health_interval_s
         self._timeout = health_timeout_s
         self._busy = busy  # held by weight updates: no health probes or recoveries meanwhile
+        self.paused = False
+        self._epoch = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="miles-sglang-health", daemon=True)
@@ -106,21 +108,30 @@ class Router:
             return f"/health_generate failed: {type(exc).__name__}"
         return None if response.status_code == 200 else f"/health_generate answered {response.status_code}"
 
+    def hold(self) -> None:
+        """The engine is pausing: probes would hang on a paused server, so none count until `release_hold`."""
+        self.paused = True
+        self._epoch += 1
+
+    def release_hold(self) -> None:
+        self.paused = False
+
     def check_now(self) -> None:
         """One round of health checks and recoveries (the thread's body; callable from tests)."""
         for slot in self.slots:
-            if self._stop.is_set():
+            if self._stop.is_set() or self.paused:
                 return
-            if not self._busy.acquire(timeout=0.5):
-                return  # a weight update is running; try again at the next tick
-            try:
-                problem = self._probe(slot)
-                if problem and slot.admitted:
-                    self.quarantine(slot, problem)
-                elif not slot.admitted:
+            epoch = self._epoch
+            problem = self._probe(slot)
+            if self.paused or epoch != self._epoch:
+                return  # a pause began during the probe: its answer says nothing about health
+            if problem and slot.admitted:
+                self.quarantine(slot, problem)
+            elif not slot.admitted and self._busy.acquire(blocking=False):  # never during a weight update
+                try:
                     self._try_recover(slot, problem)
-            finally:
-                self._busy.release()
+                finally:
+                    self._busy.release()
 
     def _try_recover(self, slot: Slot, problem: str | None) -> None:
         dead = slot.server is not None and not slot.server.alive()

@@ -1,0 +1,138 @@
+"""Weight-update latency per transport into a real SGLang server, against a plain memory copy.
+
+For models of a few sizes (random Qwen2 in fp32), each transport pushes a full new version the way
+the loop does: publish (trainer side) → pause (in_place) → load → version++ → resume (engine side),
+plus, for `broadcast`, the sender's own completion. The time is from the start of publish until the
+engine is resumed; afterwards a generate call checks that the engine serves the new version. The
+engine runs with `verify_weights: false`: the checksum comparison is timed separately (column
+"check"), since it costs a hash of every weight on both sides. The baseline is `dst.copy_(src)` of
+the same number of bytes, preallocated, measured in the same run.
+
+    python bench/weight_update.py                 # 4 MB, 63 MB and 500 MB models (~5 min here)
+    python bench/weight_update.py --quick         # the 4 MB model only, one push per transport (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import build_model, machine, median, model_bytes, table, timed  # noqa: E402
+
+SIZES = {  # name: (hidden, layers)
+    "4 MB": (128, 4),
+    "63 MB": (512, 4),
+    "500 MB": (1024, 8),
+}
+TRANSPORTS = ("disk", "tensor", "broadcast")
+
+
+def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages once
+    return median([timed(lambda: dst.copy_(src)) for _ in range(repeats)])
+
+
+def push(engine, sender, weights, version: int) -> None:
+    async def run() -> None:
+        handle = sender.publish(weights, weight_version=version)
+        await engine.pause("in_place")
+        try:
+            engine.receive(handle)
+        finally:
+            await engine.resume()
+        wait = getattr(sender, "wait", None)
+        if wait is not None:
+            wait(600)
+
+    asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smallest model, one push per transport")
+    parser.add_argument("--sizes", nargs="*", choices=list(SIZES), help="model sizes to run (default: all)")
+    parser.add_argument("--repeats", type=int, default=3, help="pushes per transport and size (median)")
+    parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
+    args = parser.parse_args()
+
+    import torch
+    from safetensors.torch import load_file
+
+    from miles_rollout import GenerateRequest, SamplingParams, build_engine
+    from miles_rollout.config import SGLangEngineConfig
+    from miles_sync import SyncConfig, build_sender
+
+    sizes = ["4 MB"] if args.quick else (args.sizes or list(SIZES))
+    repeats = 1 if args.quick else args.repeats
+    cache = Path(os.environ.get("MILES_CACHE", Path.home() / ".cache" / "miles")) / "bench"
+    rows = []
+    for size in sizes:
+        hidden, layers = SIZES[size]
+        model = build_model(cache / f"qwen2-h{hidden}-l{layers}", hidden=hidden, layers=layers)
+        num_bytes = model_bytes(model)
+        base = [(n, t) for f in sorted(model.glob("*.safetensors")) for n, t in load_file(str(f)).items()]
+        copy_s = memcpy_seconds(num_bytes)
+        config = SGLangEngineConfig(type="sglang", max_total_tokens=8192, verify_weights=False)
+        engine = build_engine(config, model)
+        workdir = Path(tempfile.mkdtemp(prefix="miles-bench-w-"))
+        version = 0
+        try:
+            for transport in TRANSPORTS:
+                sender = build_sender(
+                    SyncConfig(transport=transport, dir=str(workdir / transport)),
+                    num_receivers=engine.broadcast_ranks,
+                )
+                times = []
+                for _ in range(repeats + 1):  # the first push is a warm-up
+                    version += 1
+                    weights = [(n, t + 0.001 * version) for n, t in base]
+                    times.append(timed(lambda w=weights, v=version, s=sender, e=engine: push(e, s, w, v)))
+                check_s = timed(engine.weight_fingerprint)  # checksums on the server and here, compared
+                served = asyncio.run(
+                    engine.generate([GenerateRequest([3, 13, 4, 16], SamplingParams(max_new_tokens=2), "x")])
+                )
+                assert served[0].weight_versions == [version], "the engine must serve the version just pushed"
+                sender.close()
+                latency = median(times[1:])
+                rows.append(
+                    [size, transport, num_bytes / 1e6, latency * 1e3, check_s * 1e3, copy_s * 1e3, latency / copy_s]
+                )
+                print(f"{size} {transport}: {latency * 1e3:.1f} ms (memcpy {copy_s * 1e3:.2f} ms)", flush=True)
+        finally:
+            engine.shutdown()
+            shutil.rmtree(workdir, ignore_errors=True)
+        del base
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    report = "\n".join(
+        [
+            "# Weight-update latency per transport",
+            "",
+            f"Machine: {machine()}. Engine: one SGLang server, weights fp32 on the wire and in the engine. "
+            f"Latency: publish → pause (in_place) → load → resume, median of {repeats} pushes after a warm-up.",
+            "",
+            table(
+                ["model", "transport", "MB", "latency ms", "check ms", "memcpy ms", "latency / memcpy"],
+                rows,
+            ),
+            "",
+        ]
+    )
+    print(report)
+    if args.out:
+        args.out.write_text(report)
+
+
+if __name__ == "__main__":
+    main()
