@@ -236,14 +236,31 @@ class SGLangEngine:
                     self.router.quarantine(slot, f"{path} failed: {type(exc).__name__}")
 
     async def pause(self, mode: PauseMode = "in_place") -> None:
+        """Stop new calls; pause (with `mode`) the servers that have requests in flight.
+
+        A server with nothing in flight is left running: a load then waits for anything SGLang itself has
+        running (its health probe), and its prefix cache can be flushed.
+        """
         assert self.router is not None
-        self.router.hold()
+        busy = [s for s in self.slots if s.outstanding > 0 and (s.server is None or s.server.alive())]
+        self.router.hold(wait_for_probe=bool(busy))
         self._pause_mode = mode
-        self._each_live("/pause_generation", {"mode": mode})
+        for slot in busy:
+            try:
+                self._post(slot.url, "/pause_generation", {"mode": mode}, timeout=60)
+                slot.paused = True
+            except httpx.TransportError as exc:
+                self.router.quarantine(slot, f"/pause_generation failed: {type(exc).__name__}")
 
     async def resume(self) -> None:
         assert self.router is not None
-        self._each_live("/continue_generation")
+        for slot in [s for s in self.slots if s.paused]:
+            slot.paused = False
+            try:
+                self._post(slot.url, "/continue_generation", timeout=60)
+            except (httpx.HTTPError, RuntimeError) as exc:
+                if slot.admitted:
+                    self.router.quarantine(slot, f"/continue_generation failed: {exc}")
         self._pause_mode = None
         self.router.release_hold()
 
@@ -301,7 +318,7 @@ class SGLangEngine:
         cache and continue on the new weights); the flush then happens as soon as the server is idle."""
         if not last:
             return {"flush_cache": False}
-        flush = self._pause_mode != "in_place" or slot.outstanding == 0
+        flush = not (slot.paused and self._pause_mode == "in_place")
         slot.stale_cache = not flush
         return {"flush_cache": flush}
 
@@ -323,7 +340,7 @@ class SGLangEngine:
         body = {
             "model_path": handle.location,
             "weight_version": str(handle.weight_version),
-            "keep_pause": self._pause_mode is not None,  # a paused engine stays paused until resume()
+            "keep_pause": True,  # a paused server stays paused until resume()
         }
         self._on_admitted(
             lambda slot: self._post(slot.url, "/update_weights_from_disk", {**body, **self._flags(slot)}), "disk update"
@@ -482,8 +499,6 @@ class SGLangEngine:
             slot.note(f"loading weight version {self._weight_version} before it serves again")
             self._load_current(slot)
             self._verify(slot)
-        if self._pause_mode is not None:
-            self._post(slot.url, "/pause_generation", {"mode": self._pause_mode})
 
     def _load_current(self, slot: Slot) -> None:
         """Push the current version from this process's copy, through shared memory."""

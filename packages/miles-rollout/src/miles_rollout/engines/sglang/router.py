@@ -39,6 +39,7 @@ class Slot:
     restarts: int = 0
     stale_cache: bool = False  # holds prefix-cache entries of an older weight version
     served: int = 0  # generate calls completed
+    paused: bool = False  # paused by the engine for a weight push (it had requests in flight)
     events: list[str] = field(default_factory=list)
 
     def note(self, message: str) -> None:
@@ -64,6 +65,7 @@ class Router:
         self._busy = busy  # held by weight updates: no health probes or recoveries meanwhile
         self.paused = False
         self._epoch = 0
+        self._probing = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="miles-sglang-health", daemon=True)
@@ -77,7 +79,7 @@ class Router:
         """The admitted slot with the fewest requests in flight; waits up to `wait_s` for one."""
         deadline = time.monotonic() + wait_s
         while True:
-            admitted = self.admitted
+            admitted = [] if self.paused else self.admitted  # no new calls start during a weight push
             if admitted:
                 slot = min(admitted, key=lambda s: (s.outstanding, s.index))
                 slot.outstanding += 1
@@ -108,10 +110,17 @@ class Router:
             return f"/health_generate failed: {type(exc).__name__}"
         return None if response.status_code == 200 else f"/health_generate answered {response.status_code}"
 
-    def hold(self) -> None:
-        """The engine is pausing: probes would hang on a paused server, so none count until `release_hold`."""
+    def hold(self, wait_for_probe: bool) -> None:
+        """A weight push begins: no new calls start and no probes run until `release_hold`.
+
+        A probe is a one-token request: if it is still queued in a server that then pauses, SGLang refuses
+        to flush the cache after the load. So when servers are about to be paused (`wait_for_probe`), a
+        probe in progress (about a second: SGLang answers it after its first poll) is let finish first.
+        """
         self.paused = True
         self._epoch += 1
+        if wait_for_probe and self._probing.acquire(timeout=self._timeout + 5):
+            self._probing.release()
 
     def release_hold(self) -> None:
         self.paused = False
@@ -122,7 +131,10 @@ class Router:
             if self._stop.is_set() or self.paused:
                 return
             epoch = self._epoch
-            problem = self._probe(slot)
+            with self._probing:
+                if self.paused:
+                    return
+                problem = self._probe(slot)
             if self.paused or epoch != self._epoch:
                 return  # a pause began during the probe: its answer says nothing about health
             if problem and slot.admitted:
