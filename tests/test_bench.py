@@ -38,5 +38,5 @@ def test_weight_update_bench_covers_every_transport(tmp_path):
     rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| 4 MB")]
     assert sorted(r[1].strip() for r in rows) == ["broadcast", "disk", "tensor"]
     for row in rows:
-        latency, memcpy, ratio = float(row[3]), float(row[5]), float(row[6])
+        latency, memcpy, ratio = float(row[3]), float(row[6]), float(row[7])
         assert latency > 0 and memcpy > 0 and ratio > 0

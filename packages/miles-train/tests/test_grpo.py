@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from miles_train.collate import collate
-from miles_train.grpo import clipped_policy_loss, group_advantages, kl_k3, token_mean
+from miles_train.grpo import (
+    clipped_policy_loss,
+    group_advantages,
+    kl_k3,
+    staleness_weights,
+    token_mean,
+    truncated_is_weights,
+)
 from miles_train.types import TrainBatch
 
 
@@ -92,3 +99,27 @@ def test_train_batch_rejects_ragged_rows():
             rewards=[0.0],
             group_index=[0],
         )
+
+
+def test_truncated_is_weights_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.4, 0.1]]))
+    weights, truncated = truncated_is_weights(old, rollout, cap=2.0)
+    assert torch.allclose(weights, torch.tensor([[2.0, 0.5, 2.0]]))  # ratios 2, 0.5, 9 → capped at 2
+    assert truncated.tolist() == [[False, False, True]]
+
+
+def test_staleness_weights_by_hand():
+    assert staleness_weights([0, 1, 3], "none", 0.5, 1).tolist() == [1.0, 1.0, 1.0]
+    assert staleness_weights([0, 1, 3], "decay", 0.5, 1).tolist() == [1.0, 0.5, 0.125]
+    assert staleness_weights([0, 1, 3], "drop", 0.5, 1).tolist() == [1.0, 1.0, 0.0]
+
+
+def test_tis_needs_recomputed_old_logprobs():
+    from pydantic import ValidationError
+
+    from miles_train.config import GRPOConfig
+
+    with pytest.raises(ValidationError, match="tis_cap needs old_logprobs: recompute"):
+        GRPOConfig(tis_cap=2.0)
+    assert GRPOConfig(tis_cap=2.0, old_logprobs="recompute").tis_cap == 2.0

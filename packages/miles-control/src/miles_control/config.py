@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from miles_rollout.config import DataConfig, RolloutConfig
 from miles_sync.config import SyncConfig
@@ -49,13 +49,49 @@ ModelConfig = Annotated[BuiltinModelConfig | PathModelConfig, Field(discriminato
 
 
 class ScheduleConfig(_Strict):
-    type: Literal["sync"] = "sync"
+    """How generation, training and weight pushes are ordered in time.
+
+    `sync`: generate → train → push, strictly on-policy. `one_step_off`: generation of step k+1 runs
+    while step k trains. `fully_async`: rollout generates continuously into a bounded buffer; the
+    trainer takes groups at most `max_staleness` versions old. The fields marked *live* can be changed
+    while a job runs; a change applies at the next step boundary and is recorded as an event.
+    """
+
+    type: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    update_weights_interval: int = Field(
+        1, ge=1, description="(live) Push weights every N train steps (one_step_off, fully_async)."
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="(live) fully_async: the oldest data the trainer takes, in weight versions."
+    )
+    stale_policy: Literal["drop", "regenerate"] = Field(
+        "drop", description="fully_async: what happens to a group that became too stale in the buffer."
+    )
+    pause_mode: Literal["in_place", "retract", "abort"] = Field(
+        "in_place", description="(live) What in-flight requests do during a weight push."
+    )
+    buffer_groups: int | None = Field(
+        None, ge=1, description="(live) fully_async: buffer capacity in groups; None = 2 steps' worth."
+    )
+    async_eval: bool = Field(True, description="one_step_off, fully_async: evaluate without blocking training.")
     num_steps: int = Field(300, gt=0)
     max_minutes: float | None = Field(None, gt=0, description="Stop after this much wall time (after a whole step).")
     stop_at_accuracy: float | None = Field(
         None, gt=0, le=1, description="Stop once held-out accuracy reaches this value."
     )
     save_final: bool = Field(False, description="Save a trainer checkpoint at the end of the run.")
+
+    @model_validator(mode="after")
+    def _staleness_reachable(self) -> ScheduleConfig:
+        if self.type == "fully_async" and self.max_staleness < self.update_weights_interval - 1:
+            raise ValueError(
+                f"max_staleness {self.max_staleness} < update_weights_interval - 1 = "
+                f"{self.update_weights_interval - 1}: between pushes even fresh samples would be too stale"
+            )
+        return self
+
+
+LIVE_SCHEDULE_FIELDS = ("update_weights_interval", "max_staleness", "pause_mode", "buffer_groups")
 
 
 class StoreConfig(_Strict):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -40,6 +40,25 @@ class GRPOConfig(_Strict):
     )
     num_minibatches: int = Field(1, ge=1, description="Optimizer steps per batch.")
     loss_aggregation: Literal["token_mean"] = "token_mean"
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling: weight each token's loss by min(π_old/π_rollout, tis_cap), "
+        "π_old recomputed by the trainer (needs old_logprobs: recompute). None: off.",
+    )
+    staleness: Literal["none", "decay", "drop"] = Field(
+        "none",
+        description="Staleness-aware weighting of off-policy samples: decay multiplies a sample's loss by "
+        "staleness_decay ** staleness; drop zeroes samples older than staleness_max.",
+    )
+    staleness_decay: float = Field(0.5, gt=0, le=1)
+    staleness_max: int = Field(1, ge=0, description="staleness: drop keeps samples at most this many versions old.")
+
+    @model_validator(mode="after")
+    def _tis_needs_recompute(self) -> GRPOConfig:
+        if self.tis_cap is not None and self.old_logprobs != "recompute":
+            raise ValueError("tis_cap needs old_logprobs: recompute (the trainer's old-policy logprobs)")
+        return self
 
 
 class TrainConfig(_Strict):

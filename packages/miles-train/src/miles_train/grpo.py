@@ -58,3 +58,27 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | Non
     """
     denom = mask.sum() if num_tokens is None else num_tokens
     return (values * mask).sum() / max(float(denom), 1.0)
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token min(π_old / π_rollout, cap) (no gradient) and where the cap bit.
+
+    Corrects for the engine's policy differing from the trainer's old policy (stale weights in an
+    asynchronous schedule, or numerical mismatch): the loss of each token is scaled by the weight.
+    """
+    ratio = torch.exp(old_logprobs.detach() - rollout_logprobs.detach())
+    return ratio.clamp(max=cap), ratio > cap
+
+
+def staleness_weights(staleness: list[int], mode: str, decay: float, max_staleness: int) -> torch.Tensor:
+    """One weight per sample from its age in weight versions: `none` 1, `decay` decay**age, `drop` 0 past max."""
+    age = torch.tensor(staleness, dtype=torch.float32)
+    if mode == "none":
+        return torch.ones_like(age)
+    if mode == "decay":
+        return torch.pow(torch.tensor(decay), age)
+    if mode == "drop":
+        return (age <= max_staleness).float()
+    raise ValueError(f"unknown staleness mode {mode!r}")

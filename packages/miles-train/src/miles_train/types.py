@@ -20,9 +20,12 @@ class TrainBatch:
     rewards: list[float]
     group_index: list[int]
     temperature: float = 1.0
+    staleness: list[int] | None = None  # per row: trainer version − oldest engine version it was generated under
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
+        if self.staleness is not None and len(self.staleness) != n:
+            raise ValueError(f"TrainBatch.staleness has {len(self.staleness)} rows, input_ids has {n}")
         for field_name in ("response_start", "rollout_logprobs", "loss_mask", "rewards", "group_index"):
             if len(getattr(self, field_name)) != n:
                 raise ValueError(
@@ -52,4 +55,5 @@ class TrainBatch:
             rewards=[self.rewards[i] for i in rows],
             group_index=[self.group_index[i] for i in rows],
             temperature=self.temperature,
+            staleness=None if self.staleness is None else [self.staleness[i] for i in rows],
         )

@@ -22,7 +22,14 @@ from transformers import AutoModelForCausalLM
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
 from miles_train.collate import collate, token_logprobs, unpad_response
 from miles_train.config import TrainConfig
-from miles_train.grpo import clipped_policy_loss, group_advantages, kl_k3, token_mean
+from miles_train.grpo import (
+    clipped_policy_loss,
+    group_advantages,
+    kl_k3,
+    staleness_weights,
+    token_mean,
+    truncated_is_weights,
+)
 from miles_train.types import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -80,11 +87,21 @@ class FSDP2Backend:
         dist.all_reduce(t)
         return t.tolist()
 
+    def _all_reduce_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         grpo = self.config.grpo
         advantages = group_advantages(batch.rewards, batch.group_index, grpo.normalize_std)
         minibatches = [list(range(len(batch)))[m :: grpo.num_minibatches] for m in range(grpo.num_minibatches)]
-        sums = dict.fromkeys(["loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_diff"], 0.0)
+        sums = dict.fromkeys(
+            ["loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_diff", "tis", "tis_clipfrac"], 0.0
+        )
+        tis_max = 0.0
+        ages = batch.staleness if batch.staleness is not None else [0] * len(batch)
+        sample_weights = staleness_weights(ages, grpo.staleness, grpo.staleness_decay, grpo.staleness_max)
         grad_norms = []
         old_logprobs = None
         if grpo.old_logprobs == "recompute":
@@ -108,6 +125,13 @@ class FSDP2Backend:
                 old = old_logprobs[local][:, : c.loss_mask.shape[1]].to(self.device)
             adv = advantages[local].to(self.device)[:, None].expand_as(logprobs)
             pg, ratio, clipped = clipped_policy_loss(logprobs, old, adv, grpo.clip_eps, grpo.clip_eps_high)
+            tis = torch.ones_like(pg)
+            truncated = torch.zeros_like(pg, dtype=torch.bool)
+            if grpo.tis_cap is not None:  # old = the trainer's recomputed old-policy logprobs
+                tis, truncated = truncated_is_weights(old, c.rollout_logprobs, grpo.tis_cap)
+                pg = pg * tis
+                tis_max = max(tis_max, float((tis * c.loss_mask).max()))
+            pg = pg * sample_weights[local].to(self.device)[:, None]
             per_token = pg
             kl = torch.zeros_like(pg)
             if self.reference is not None:
@@ -134,6 +158,8 @@ class FSDP2Backend:
                     ("clipfrac", clipped.float()),
                     ("ratio", ratio),
                     ("logprob_diff", (logprobs - c.rollout_logprobs).abs()),
+                    ("tis", tis),
+                    ("tis_clipfrac", truncated.float()),
                 ):
                     sums[key] += float((value * m).sum())
         total_tokens = float(batch.num_response_tokens)
@@ -143,6 +169,8 @@ class FSDP2Backend:
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         metrics["train/num_tokens"] = total_tokens
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
+        metrics["train/tis_max"] = self._all_reduce_max(tis_max)
+        metrics["train/sample_weight_mean"] = float(sample_weights.mean())
         return metrics
 
     @torch.no_grad()
