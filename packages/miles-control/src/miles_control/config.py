@@ -103,6 +103,11 @@ class RayConfig(_Strict):
     num_cpus: int | None = Field(None, gt=0, description="CPUs of the local instance; None = all.")
     trainer_cpus_per_rank: float = Field(0.5, ge=0)
     rollout_cpus: float = Field(0.5, ge=0)
+    cpu_split: bool = Field(
+        False,
+        description="Pin trainer ranks and the rollout actor (with its SGLang servers) to disjoint CPU cores of "
+        "this machine (trainer: the first half), so that generation and training can overlap on a small machine.",
+    )
 
 
 class JobSpec(_Strict):

@@ -6,10 +6,16 @@ from miles_rollout.types import RolloutBatch, SampleStatus
 from miles_train.types import TrainBatch
 
 
-def to_train_batch(batch: RolloutBatch, temperature: float) -> TrainBatch:
-    """Token ids pass through untouched; aborted samples are left out (they have no reward)."""
-    samples = [s for s in batch.samples if s.status != SampleStatus.ABORTED and s.response_ids]
+def to_train_batch(batch: RolloutBatch, temperature: float, staleness: list[int] | None = None) -> TrainBatch:
+    """Token ids pass through untouched; aborted samples are left out (they have no reward).
+
+    `staleness`, one per sample of `batch`, is the trainer version minus the oldest engine version the
+    sample was generated under (asynchronous schedules).
+    """
+    keep = [i for i, s in enumerate(batch.samples) if s.status != SampleStatus.ABORTED and s.response_ids]
+    samples = [batch.samples[i] for i in keep]
     return TrainBatch(
+        staleness=None if staleness is None else [staleness[i] for i in keep],
         input_ids=[s.prompt_ids + s.response_ids for s in samples],
         response_start=[len(s.prompt_ids) for s in samples],
         rollout_logprobs=[s.rollout_logprobs for s in samples],
@@ -36,3 +42,13 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         "rollout/zero_std_group_frac": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
         "rollout/tokens_per_s": batch.num_response_tokens / max(rollout_time, 1e-9),
     }
+
+
+def staleness_metrics(staleness: list[int]) -> dict[str, float]:
+    """Mean, max and a histogram (`async/staleness_eq_k`: share of samples k versions old)."""
+    if not staleness:
+        return {}
+    out = {"async/staleness_mean": sum(staleness) / len(staleness), "async/staleness_max": float(max(staleness))}
+    for k in sorted(set(staleness)):
+        out[f"async/staleness_eq_{k}"] = staleness.count(k) / len(staleness)
+    return out

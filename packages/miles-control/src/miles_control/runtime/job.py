@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_control.config import JobSpec, RayConfig
-from miles_control.convert import rollout_metrics, to_train_batch
+from miles_control.convert import rollout_metrics, staleness_metrics, to_train_batch
 from miles_control.recorder import Recorder
 from miles_control.runtime.workers import RolloutWorker, TrainerWorker, free_port_and_ip
 
@@ -40,10 +40,26 @@ def ensure_ray(config: RayConfig) -> bool:
     return True
 
 
+def split_cpus() -> dict[str, list[int]]:
+    """Disjoint cores of this machine: the trainer the first half, rollout the rest (at least one each)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ValueError(f"ray.cpu_split needs at least 2 CPU cores; this process may use {cores}")
+    half = len(cores) // 2
+    return {"trainer": cores[:half], "rollout": cores[half:]}
+
+
 class TrainerGroup:
     """All ranks of the trainer; each call runs on every rank and returns rank 0's answer."""
 
-    def __init__(self, spec: JobSpec, model_path: Path, weights_dir: Path, num_receivers: int = 1) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        model_path: Path,
+        weights_dir: Path,
+        num_receivers: int = 1,
+        pin_cpus: list[int] | None = None,
+    ) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -61,7 +77,14 @@ class TrainerGroup:
         spec_dict = spec.model_dump(mode="json")
         self.ranks = [
             actor.options(num_cpus=cpus, scheduling_strategy=on_bundle(rank), name=None).remote(
-                spec_dict, str(model_path), rank, world_size, f"tcp://{ip}:{port}", str(weights_dir), num_receivers
+                spec_dict,
+                str(model_path),
+                rank,
+                world_size,
+                f"tcp://{ip}:{port}",
+                str(weights_dir),
+                num_receivers,
+                pin_cpus,
             )
             for rank in range(world_size)
         ]
@@ -100,39 +123,105 @@ class JobRuntime:
         self.spec = spec
         self.recorder = recorder
         self.weight_version = 0
+        self.cpu_split = split_cpus() if spec.ray.cpu_split else {"trainer": None, "rollout": None}
+        if spec.ray.cpu_split:
+            recorder.event(
+                "cpu_split",
+                f"trainer on cores {self.cpu_split['trainer']}, rollout on {self.cpu_split['rollout']}",
+                **self.cpu_split,
+            )
         self.rollout = (
             ray.remote(RolloutWorker)
-            .options(num_cpus=spec.ray.rollout_cpus)
-            .remote(spec.model_dump(mode="json"), str(model_path), train_prompts, eval_prompts)
+            # Threads: a weight push, an evaluation and a take() may run while generation goes on.
+            .options(num_cpus=spec.ray.rollout_cpus, max_concurrency=4)
+            .remote(
+                spec.model_dump(mode="json"), str(model_path), train_prompts, eval_prompts, self.cpu_split["rollout"]
+            )
         )
         # The broadcast transport's group has a rank for every receiver the engine brings (asking waits for the
         # engine to start, so only then; other transports start trainer and engine side by side).
         num_receivers = ray.get(self.rollout.broadcast_ranks.remote()) if spec.sync.transport == "broadcast" else 1
-        self.trainer = TrainerGroup(spec, model_path, run_dir / "weights", num_receivers)
+        self.trainer = TrainerGroup(spec, model_path, run_dir / "weights", num_receivers, self.cpu_split["trainer"])
 
     def generate(self, step: int):
+
+        return self.collect(step, self.generate_async())
+
+    def generate_async(self):
+        """Start generating one step's batch; `collect` it later (one_step_off overlaps it with training)."""
+        return self.rollout.generate.remote()
+
+    def collect(self, step: int, ref):
         import ray
 
-        batch = ray.get(self.rollout.generate.remote())
-        for t in batch.timings:
-            self.recorder.span(t.stage, step, "rollout-0", t.start, t.end, num_tokens=t.num_tokens)
-        return batch, rollout_metrics(batch)
+        wait_start = time.time()
+        batch = ray.get(ref)
+        self.recorder.span("wait_rollout", step, "trainer", wait_start, time.time())
+        return self._record_batch(step, batch), rollout_metrics(batch)
 
-    def train(self, step: int, batch) -> dict[str, float]:
-        train_batch = to_train_batch(batch, self.spec.rollout.sampling.temperature)
+    def _record_batch(self, step: int, batch):
+        for t in batch.timings:
+            worker = "trainer" if t.stage == "wait_rollout" else "rollout-0"
+            self.recorder.span(t.stage, step, worker, t.start, t.end, num_tokens=t.num_tokens)
+        return batch
+
+    # ---- fully_async ---------------------------------------------------------------------------
+
+    def start_stream(self, capacity: int, chunk_prompts: int) -> None:
+        import ray
+
+        ray.get(self.rollout.start_stream.remote(capacity, chunk_prompts))
+
+    def take(self, step: int, num_groups: int, trainer_version: int, max_staleness: int, policy: str):
+        import ray
+
+        batch, staleness, info = ray.get(
+            self.rollout.take.remote(num_groups, trainer_version, max_staleness, policy, 1800.0)
+        )
+        self._record_batch(step, batch)
+        metrics = rollout_metrics(batch)
+        metrics |= staleness_metrics(staleness)
+        metrics["async/dropped_groups"] = float(info["dropped"])
+        metrics["async/regenerated_groups"] = float(info["regenerated"])
+        metrics["async/buffered_groups"] = float(info["buffered"])
+        return batch, staleness, metrics
+
+    def resize_buffer(self, capacity: int) -> None:
+        import ray
+
+        ray.get(self.rollout.resize_buffer.remote(capacity))
+
+    def stop_stream(self) -> None:
+        import ray
+
+        ray.get(self.rollout.stop_stream.remote())
+
+    def evaluate_async(self):
+        return self.rollout.evaluate.remote()
+
+    def record_eval(self, step: int, result) -> dict[str, float]:
+        metrics, start, end = result
+        self.recorder.span("eval", step, "rollout-0", start, end)
+        return metrics
+
+    def train(self, step: int, batch, staleness: list[int] | None = None) -> dict[str, float]:
+        train_batch = to_train_batch(batch, self.spec.rollout.sampling.temperature, staleness)
         metrics, start, end = self.trainer.call("train_step", train_batch)
         num_tokens = int(metrics["train/num_tokens"])
         self.recorder.span("train", step, "trainer", start, end, num_tokens=num_tokens)
         metrics["train/tokens_per_s"] = num_tokens / max(end - start, 1e-9)
         return metrics
 
-    def push_weights(self, step: int) -> dict[str, float]:
-        """Trainer → engines: export, publish, pause → load → version++ → resume; then check equality."""
+    def push_weights(self, step: int, version: int | None = None, pause_mode: str = "in_place") -> dict[str, float]:
+        """Trainer → engines: export, publish, pause → load → version++ → resume; then check equality.
+
+        `version` is the trainer's version (its number of train steps); the next push number by default.
+        """
         import ray
 
-        version = self.weight_version + 1
+        version = self.weight_version + 1 if version is None else version
         handle, start, exported = self.trainer.call("publish_weights", version)
-        engine_fp, engine_version, _, end = ray.get(self.rollout.receive_weights.remote(handle))
+        engine_fp, engine_version, _, end = ray.get(self.rollout.receive_weights.remote(handle, pause_mode))
         self.trainer.call("wait_published")
         self.weight_version = engine_version
         match = engine_fp == handle.fingerprint
@@ -149,6 +238,7 @@ class JobRuntime:
             engine_fingerprint=engine_fp,
             export_s=exported - start,
             num_buckets=handle.num_buckets,
+            pause_mode=pause_mode,
         )
         if self.spec.sync.check_weights and not match:
             raise RuntimeError(
@@ -179,5 +269,9 @@ class JobRuntime:
         try:
             self.trainer.shutdown()
         finally:
+            try:
+                ray.get(self.rollout.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - the actor is killed below either way
+                log.debug("rollout shutdown failed", exc_info=True)
             ray.kill(self.rollout)
         log.debug("runtime shut down in %.1fs", time.time() - started)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,15 @@ def free_port_and_ip() -> tuple[str, int]:
         return ip, s.getsockname()[1]
 
 
+def pin_to(cpus: list[int] | None) -> None:
+    """Restrict this process (and the processes it starts) to `cpus`, with torch threads to match."""
+    if cpus:
+        import torch
+
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+
+
 class TrainerWorker:
     """One trainer rank. Rank 0 also owns the weight sender."""
 
@@ -34,6 +44,7 @@ class TrainerWorker:
         init_method: str,
         weights_dir: str,
         num_receivers: int = 1,
+        cpus: list[int] | None = None,
     ) -> None:
         import torch
 
@@ -45,6 +56,7 @@ class TrainerWorker:
         torch.manual_seed(job.seed + rank)
         if job.train.backend.num_threads is None:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        pin_to(cpus)
         self.rank = rank
         self.backend = build_backend(job.train, model_path, rank, world_size, init_method)
         self.sender = None
@@ -87,7 +99,14 @@ class TrainerWorker:
 class RolloutWorker:
     """Owns the engine, the tokenizer, the rollout manager and the prompt streams."""
 
-    def __init__(self, spec: dict[str, Any], model_path: str, train_prompts: list, eval_prompts: list) -> None:
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        model_path: str,
+        train_prompts: list,
+        eval_prompts: list,
+        cpus: list[int] | None = None,
+    ) -> None:
         import torch
         from transformers import AutoTokenizer
 
@@ -99,6 +118,7 @@ class RolloutWorker:
         self.config = job.rollout
         # Ray limits an actor to its fractional CPU share; in the sync schedule rollout has the machine.
         torch.set_num_threads(os.cpu_count() or 1)
+        pin_to(cpus)  # before the engine starts: SGLang servers inherit the cores
         self.engine = build_engine(job.rollout.engine, Path(model_path), seed=job.seed)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.manager = RolloutManager(self.engine, tokenizer, job.rollout)
@@ -111,6 +131,82 @@ class RolloutWorker:
     def generate(self):
         prompts = self.stream.next_batch(self.config.num_prompts_per_step)
         return asyncio.run(self.manager.generate(prompts))
+
+    # ---- fully_async: continuous generation into a bounded buffer -------------------------------
+
+    def start_stream(self, capacity: int, chunk_prompts: int) -> None:
+        """Generate continuously, `chunk_prompts` prompts per call, into a buffer of `capacity` groups."""
+        from miles_control.schedules.buffer import StalenessBuffer
+
+        self.buffer = StalenessBuffer(capacity)
+        self._regenerate: list = []
+        self._timings: list = []
+        self._stream_error: BaseException | None = None
+        self._running = threading.Event()
+        self._running.set()
+        self._next_group = 0
+        self._thread = threading.Thread(target=self._stream, args=(chunk_prompts,), daemon=True, name="rollout")
+        self._thread.start()
+
+    def _stream(self, chunk_prompts: int) -> None:
+        from miles_control.schedules.buffer import Group
+
+        try:
+            while self._running.is_set():
+                take = min(chunk_prompts, len(self._regenerate))
+                prompts = [self._regenerate.pop(0) for _ in range(take)]
+                prompts += self.stream.next_batch(chunk_prompts - len(prompts))
+                batch = asyncio.run(self.manager.generate(prompts))
+                self._timings += batch.timings
+                by_group: dict[int, list] = {}
+                for sample in batch.samples:
+                    by_group.setdefault(sample.group_index, []).append(sample)
+                for index, samples in by_group.items():
+                    versions = sorted({v for s in samples for v in s.weight_versions})
+                    group = Group(self._next_group, prompts[index], samples, versions, time.time())
+                    self._next_group += 1
+                    while self._running.is_set() and not self.buffer.put(group, timeout=0.2):
+                        pass
+        except BaseException as exc:  # reported to the trainer by take()
+            self._stream_error = exc
+
+    def take(self, num_groups: int, trainer_version: int, max_staleness: int, policy: str, timeout_s: float):
+        """`num_groups` fresh groups as one RolloutBatch, their staleness per sample, and what was discarded."""
+        from miles_rollout.types import RolloutBatch, StageTiming
+
+        start = time.time()
+        taken = self.buffer.take(num_groups, trainer_version, max_staleness, policy, timeout=0.0)
+        groups = list(taken.groups)
+        dropped, regenerate = len(taken.dropped), len(taken.regenerate)
+        self._regenerate += [g.prompt for g in taken.regenerate]
+        deadline = start + timeout_s
+        while len(groups) < num_groups:
+            if self._stream_error is not None:
+                raise RuntimeError(f"rollout generation failed: {self._stream_error}") from self._stream_error
+            if time.time() > deadline:
+                raise TimeoutError(f"fully_async: fewer than {num_groups} fresh groups after {timeout_s:.0f} s")
+            more = self.buffer.take(num_groups - len(groups), trainer_version, max_staleness, policy, timeout=0.5)
+            groups += more.groups
+            dropped, regenerate = dropped + len(more.dropped), regenerate + len(more.regenerate)
+            self._regenerate += [g.prompt for g in more.regenerate]
+        samples, staleness = [], []
+        for new_index, group in enumerate(groups):
+            for sample in group.samples:
+                sample.group_index = new_index
+                samples.append(sample)
+                staleness.append(trainer_version - min(sample.weight_versions))
+        timings, self._timings = self._timings, []
+        batch = RolloutBatch(samples, timings=[*timings, StageTiming("wait_rollout", start, time.time())])
+        return batch, staleness, {"dropped": dropped, "regenerated": regenerate, "buffered": len(self.buffer)}
+
+    def resize_buffer(self, capacity: int) -> None:
+        self.buffer.resize(capacity)
+
+    def stop_stream(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self._running.clear()
+            self._thread.join(timeout=120)
+            self._thread = None
 
     def evaluate(self) -> tuple[dict[str, float], float, float]:
         start = time.time()
@@ -132,4 +228,5 @@ class RolloutWorker:
         return fingerprint, self.engine.weight_version, start, time.time()
 
     def shutdown(self) -> None:
+        self.stop_stream()
         self.engine.shutdown()

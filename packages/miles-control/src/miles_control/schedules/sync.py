@@ -3,38 +3,33 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from miles_control.config import ScheduleConfig
 from miles_control.runtime.job import JobRuntime
-
-StepCallback = Callable[[int, dict[str, float]], None]
+from miles_control.schedules.common import StepCallback, should_stop
+from miles_control.schedules.control import LiveSchedule
 
 
 def run_sync(rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback) -> int:
     """Run the loop; returns the number of steps completed."""
     started = time.time()
+    live = LiveSchedule(schedule, rt.recorder)
     rt.recorder.metrics(0, rt.evaluate(step=0))
     step = 0
     for step in range(1, schedule.num_steps + 1):
+        live.apply_pending(step)
         step_start = time.time()
         batch, metrics = rt.generate(step)
         metrics |= rt.train(step, batch)
-        metrics |= rt.push_weights(step)
+        metrics |= rt.push_weights(step, pause_mode=live.config.pause_mode)
         if (eval_every and step % eval_every == 0) or step == schedule.num_steps:
             metrics |= rt.evaluate(step)
         metrics["step/wall_s"] = time.time() - step_start
         rt.recorder.step(step, rt.weight_version, step_start, time.time())
         rt.recorder.metrics(step, metrics)
         on_step(step, metrics)
-        if _should_stop(schedule, metrics, started):
+        if should_stop(schedule, metrics, started):
             if "eval/accuracy" not in metrics:
                 rt.recorder.metrics(step, rt.evaluate(step))
             break
     return step
-
-
-def _should_stop(schedule: ScheduleConfig, metrics: dict[str, float], started: float) -> bool:
-    if schedule.stop_at_accuracy is not None and metrics.get("eval/accuracy", 0.0) >= schedule.stop_at_accuracy:
-        return True
-    return schedule.max_minutes is not None and time.time() - started > schedule.max_minutes * 60

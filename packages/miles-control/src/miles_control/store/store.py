@@ -11,7 +11,7 @@ from sqlalchemy import create_engine, event, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from miles_control.store.models import Base, Event, Job, JobStatus, Metric, Span, Step, utcnow
+from miles_control.store.models import Base, Event, Job, JobStatus, Metric, ScheduleChange, Span, Step, utcnow
 
 _FINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}
 
@@ -90,6 +90,30 @@ class Store:
     ) -> None:
         with self.session() as s, s.begin():
             s.add(Event(job_id=job_id, kind=kind, message=message, step=step, data=data or {}))
+
+    def request_schedule_change(self, job_id: int, patch: dict[str, Any]) -> int:
+        """Queue a change of live schedule fields; the running job applies it at its next step boundary."""
+        self.job(job_id)  # unknown ids fail here, not silently later
+        with self.session() as s, s.begin():
+            change = ScheduleChange(job_id=job_id, patch=patch)
+            s.add(change)
+            s.flush()
+            return change.id
+
+    def pending_schedule_changes(self, job_id: int) -> list[ScheduleChange]:
+        with self.session() as s:
+            query = select(ScheduleChange).where(ScheduleChange.job_id == job_id, ScheduleChange.status == "pending")
+            return list(s.scalars(query.order_by(ScheduleChange.id)))
+
+    def resolve_schedule_change(self, change_id: int, status: str, step: int | None, message: str) -> None:
+        with self.session() as s, s.begin():
+            change = s.get(ScheduleChange, change_id)
+            change.status, change.applied_step, change.message = status, step, message
+
+    def schedule_changes(self, job_id: int) -> list[ScheduleChange]:
+        with self.session() as s:
+            query = select(ScheduleChange).where(ScheduleChange.job_id == job_id)
+            return list(s.scalars(query.order_by(ScheduleChange.id)))
 
     # --- reads --------------------------------------------------------------------------------
     def job(self, job_id: int) -> Job:

@@ -123,8 +123,9 @@ class SGLangServer:
             # CPU-only recipe (infra/cpu/README.md): torch-native paths and the sgl_kernel import shim.
             args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
             env["SGLANG_USE_CPU_ENGINE"] = "1"
-            # A parent such as a Ray actor may have pinned OpenMP to one thread; the server gets the machine.
-            env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+            # A parent such as a Ray actor may have pinned OpenMP to one thread; the server gets every core
+            # this process may use (all of the machine unless the job pinned the rollout to some).
+            env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cpu_shim_path()), env.get("PYTHONPATH")]))
         args += config.extra_args
         log_dir.mkdir(parents=True, exist_ok=True)

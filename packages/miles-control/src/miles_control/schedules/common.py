@@ -1,0 +1,45 @@
+"""What every schedule shares: stopping rules and evaluation that runs beside training."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from miles_control.config import ScheduleConfig
+from miles_control.runtime.job import JobRuntime
+
+StepCallback = Callable[[int, dict[str, float]], None]
+
+
+def should_stop(schedule: ScheduleConfig, metrics: dict[str, float], started: float) -> bool:
+    if schedule.stop_at_accuracy is not None and metrics.get("eval/accuracy", 0.0) >= schedule.stop_at_accuracy:
+        return True
+    return schedule.max_minutes is not None and time.time() - started > schedule.max_minutes * 60
+
+
+class BackgroundEval:
+    """At most one evaluation in flight on the rollout actor; its result is recorded at the step it started."""
+
+    def __init__(self, rt: JobRuntime) -> None:
+        self.rt = rt
+        self._ref = None
+        self._step = 0
+        self.latest: dict[str, float] = {}
+
+    def start(self, step: int) -> None:
+        if self._ref is None:
+            self._ref, self._step = self.rt.evaluate_async(), step
+
+    def poll(self, wait: bool = False) -> dict[str, float]:
+        """Record a finished evaluation (waiting for it when `wait`); returns its metrics or {}."""
+        import ray
+
+        if self._ref is None:
+            return {}
+        ready, _ = ray.wait([self._ref], timeout=None if wait else 0)
+        if not ready:
+            return {}
+        metrics = self.rt.record_eval(self._step, ray.get(self._ref))
+        self.rt.recorder.metrics(self._step, metrics)
+        self._ref, self.latest = None, metrics
+        return metrics

@@ -1,0 +1,62 @@
+"""`fully_async`: rollout generates continuously into a bounded buffer; the trainer never waits for a step.
+
+The rollout actor keeps `buffer_groups` finished groups ready (a group: all samples of one prompt,
+tagged with every weight version its samples spanned). Each step the trainer takes
+`num_prompts_per_step` groups whose staleness (trainer version − oldest version) is at most
+`max_staleness`; older ones are dropped or regenerated (`stale_policy`) and counted. Weights are
+pushed every `update_weights_interval` steps while generation goes on: in-flight requests follow
+`pause_mode`. Evaluation runs beside training.
+"""
+
+from __future__ import annotations
+
+import time
+
+from miles_control.config import ScheduleConfig
+from miles_control.runtime.job import JobRuntime
+from miles_control.schedules.common import BackgroundEval, StepCallback, should_stop
+from miles_control.schedules.control import LiveSchedule
+
+
+def buffer_capacity(schedule: ScheduleConfig, groups_per_step: int) -> int:
+    return schedule.buffer_groups or 2 * groups_per_step
+
+
+def run_fully_async(rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback) -> int:
+    started = time.time()
+    groups_per_step = rt.spec.rollout.num_prompts_per_step
+    live = LiveSchedule(schedule, rt.recorder)
+    evals = BackgroundEval(rt)
+    evals.start(0)
+    evals.poll(wait=True)
+    capacity = buffer_capacity(schedule, groups_per_step)
+    # Calls of half a step's prompts: small enough that the buffer fills steadily and pushes interleave.
+    rt.start_stream(capacity, max(1, groups_per_step // 2))
+    version = 0
+    step = 0
+    try:
+        for step in range(1, schedule.num_steps + 1):
+            for patch in live.apply_pending(step):
+                if "buffer_groups" in patch:
+                    rt.resize_buffer(buffer_capacity(live.config, groups_per_step))
+            cfg = live.config
+            step_start = time.time()
+            batch, staleness, metrics = rt.take(step, groups_per_step, version, cfg.max_staleness, cfg.stale_policy)
+            metrics |= rt.train(step, batch, staleness)
+            version += 1
+            last = step == schedule.num_steps
+            if version % cfg.update_weights_interval == 0 or last:
+                metrics |= rt.push_weights(step, version, cfg.pause_mode)
+            if (eval_every and step % eval_every == 0) or last:
+                evals.start(step)
+            evaluated = evals.poll(wait=last or not cfg.async_eval)
+            metrics["step/wall_s"] = time.time() - step_start
+            rt.recorder.step(step, rt.weight_version, step_start, time.time())
+            rt.recorder.metrics(step, metrics)
+            on_step(step, {**metrics, **evaluated})
+            if should_stop(schedule, {**evals.latest, **metrics}, started):
+                break
+        evals.poll(wait=True)
+    finally:
+        rt.stop_stream()
+    return step

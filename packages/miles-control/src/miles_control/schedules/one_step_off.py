@@ -1,0 +1,58 @@
+"""`one_step_off`: the batch of step k+1 is generated while step k trains.
+
+Step k trains on data generated under the weights of step k−1 or older (staleness ≤ interval).
+Weights are pushed every `update_weights_interval` steps; a push that lands while the next batch is
+being generated handles its in-flight requests by `pause_mode`, and those samples record every
+version they span.
+"""
+
+from __future__ import annotations
+
+import time
+
+from miles_control.config import ScheduleConfig
+from miles_control.runtime.job import JobRuntime
+from miles_control.schedules.common import BackgroundEval, StepCallback, should_stop
+from miles_control.schedules.control import LiveSchedule
+
+
+def run_one_step_off(rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback) -> int:
+    started = time.time()
+    live = LiveSchedule(schedule, rt.recorder)
+    evals = BackgroundEval(rt)
+    evals.start(0)
+    evals.poll(wait=True)  # the starting point, before any training
+    version = 0  # the trainer's version: train steps done
+    pending = rt.generate_async()
+    step = 0
+    for step in range(1, schedule.num_steps + 1):
+        live.apply_pending(step)
+        cfg = live.config
+        step_start = time.time()
+        batch, metrics = rt.collect(step, pending)
+        last = step == schedule.num_steps
+        if not last:
+            pending = rt.generate_async()  # the next batch, generated while this one trains
+        staleness = [version - min(s.weight_versions) for s in batch.samples]
+        metrics |= rt.train(step, batch, staleness)
+        metrics |= _staleness(staleness)
+        version += 1
+        if version % cfg.update_weights_interval == 0 or last:
+            metrics |= rt.push_weights(step, version, cfg.pause_mode)
+        if (eval_every and step % eval_every == 0) or last:
+            evals.start(step)
+        evaluated = evals.poll(wait=last or not cfg.async_eval)  # recorded at the step it started
+        metrics["step/wall_s"] = time.time() - step_start
+        rt.recorder.step(step, rt.weight_version, step_start, time.time())
+        rt.recorder.metrics(step, metrics)
+        on_step(step, {**metrics, **evaluated})
+        if should_stop(schedule, {**evals.latest, **metrics}, started):
+            break
+    evals.poll(wait=True)
+    return step
+
+
+def _staleness(staleness: list[int]) -> dict[str, float]:
+    from miles_control.convert import staleness_metrics
+
+    return staleness_metrics(staleness)
