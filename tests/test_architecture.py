@@ -74,7 +74,9 @@ def test_config_modules_import_only_pydantic():
     for module, dist in PACKAGES.items():
         config = ROOT / "packages" / dist / "src" / module / "config.py"
         used = imports_of(config.parent)[str(config.relative_to(ROOT))]
-        assert used <= {"__future__", "typing", "pydantic", *PACKAGES}, (config, used)
+        # importlib: miles_rollout.config looks sglang up (find_spec, which does not import it) to pick the
+        # default engine; the subprocess test below checks that validating a spec imports no torch.
+        assert used <= {"__future__", "typing", "importlib", "pydantic", *PACKAGES}, (config, used)
 
 
 @pytest.mark.slow

@@ -38,5 +38,35 @@ def test_weight_update_bench_covers_every_transport(tmp_path):
     rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| 4 MB")]
     assert sorted(r[1].strip() for r in rows) == ["broadcast", "disk", "tensor"]
     for row in rows:
-        latency, memcpy, ratio = float(row[3]), float(row[6]), float(row[7])
+        latency, memcpy, ratio = (float(row[i].replace(",", "")) for i in (3, 6, 7))
         assert latency > 0 and memcpy > 0 and ratio > 0
+
+
+def test_schedule_bench_report_is_complete(tmp_path):
+    """`miles bench schedules`, shortened: every section, every schedule, every plot (not speed)."""
+    out = tmp_path / "bench"
+    args = [sys.executable, "-m", "miles_control.cli", "bench", "schedules", str(ROOT / "examples" / "arithmetic.yaml")]
+    args += ["--out", str(out), "--steps", "3"]
+    for o in ("rollout.engine.type=hf", "rollout.num_prompts_per_step=16", "rollout.eval.num_prompts=50"):
+        args += ["--set", o]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = (out / "report.md").read_text()
+    for section in (
+        "## Machine and split",
+        "## Workload",
+        "## Throughput",
+        "## Time per stage",
+        "## Busy and idle share per component",
+        "## Reward",
+    ):
+        assert section in report, section
+    assert re.search(r"Trainer pinned to cores \[\d+(, \d+)*\], rollout actor and its engine to cores \[\d", report)
+    for schedule in ("sync", "one_step_off", "fully_async"):
+        rows = [line for line in report.splitlines() if line.startswith(f"| {schedule} |")]
+        assert len(rows) == 4, (schedule, rows)  # throughput, stages, busy/idle, reward
+        assert "| succeeded | 3 |" in rows[0]
+        ratio = float(rows[0].split("|")[-2])
+        assert 0 < ratio <= 1.0 + 1e-6, rows[0]  # nothing beats the ideal overlap bound
+    for png in ("reward_vs_wall.png", "reward_vs_step.png", "time_breakdown.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png

@@ -69,6 +69,7 @@ def test_two_trainer_ranks_inproc_transport(tmp_path):
         tmp_path,
         "schedule.num_steps=3",
         "train.backend.world_size=2",
+        "rollout.engine.type=hf",  # inproc hands tensors over in Ray's object store: in-process engines only
         "sync.transport=inproc",
         "rollout.num_prompts_per_step=16",
         "rollout.eval.num_prompts=50",

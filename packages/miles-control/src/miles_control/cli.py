@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -110,6 +111,51 @@ def data_arithmetic(
         raise typer.Exit(2)
     write_jsonl(arithmetic_prompts(num_prompts, seed, digits, tuple(operations)), out)
     console.print(f"wrote {num_prompts} prompts to {out}")
+
+
+bench_app = typer.Typer(help="Benchmarks that run whole jobs.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("schedules")
+def bench_schedules(
+    config: Annotated[Path, typer.Argument(help="Job spec (YAML): the workload every schedule runs.")],
+    out: Annotated[Path, typer.Option(help="Folder for report.md, the PNG plots and bench.db.")] = Path(
+        "bench-schedules"
+    ),
+    steps: Annotated[int | None, typer.Option(min=1, help="Steps per schedule (default: the spec's).")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
+) -> None:
+    """Run the same workload under sync, one_step_off and fully_async; write a report with plots."""
+    overrides = list(set_) + ([f"schedule.num_steps={steps}"] if steps else [])
+    try:
+        spec = load_spec(config, overrides)
+    except SpecError as exc:
+        console.print(f"[bold red]error:[/] invalid job spec [bold]{exc.source}[/]")
+        for line in exc.errors:
+            console.print(f"  {line}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    import platform
+
+    from miles_control.bench import report, run_schedules
+    from miles_control.store import Store
+
+    logging.basicConfig(level=logging.WARNING)
+
+    def on_job(schedule: str, job_id: int) -> None:
+        console.print(f"{schedule}: job {job_id} done")
+
+    try:
+        summaries = run_schedules(spec, out, on_job)
+    except Exception as exc:  # noqa: BLE001
+        console.print(f"[bold red]bench failed:[/] {type(exc).__name__}: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    store = Store(f"sqlite:///{out.resolve()}/bench.db")
+    split = next((e.data for e in store.events(summaries[0].job_id) if e.kind == "cpu_split"), {})
+    split = {**split, "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores"}
+    text = report(summaries, spec, split, out)
+    console.print(text, markup=False, highlight=False)
+    console.print(f"report: {out / 'report.md'}")
 
 
 def print_summary(store, job_id: int) -> None:

@@ -1,0 +1,253 @@
+"""`miles bench schedules`: the same workload under sync, one_step_off and fully_async, side by side.
+
+Each schedule runs as its own job (same spec, same seed, `ray.cpu_split` so that rollout and training
+have their own cores) into one SQLite store under the output folder. The report is computed from the
+recorded spans and metrics only:
+
+- throughput: trained samples/s and tokens/s over the loop's wall time (first step start → last end);
+- time per stage: summed span durations;
+- busy and idle share per component: the union of the rollout actor's spans (rollout, reward, eval)
+  and of the trainer's (train, weight_sync) against wall time;
+- the ideal overlap bound: with perfect overlap a step costs its slowest component, so the loop
+  cannot beat `num_steps × max(rollout busy, trainer busy) / num_steps`; the report gives achieved
+  throughput / that bound;
+- reward against wall time and against step (PNG plots and a table).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_control.config import JobSpec
+from miles_control.store import Store
+
+SCHEDULE_TYPES = ("sync", "one_step_off", "fully_async")
+ROLLOUT_STAGES = ("rollout", "reward", "eval")
+TRAINER_STAGES = ("train", "weight_sync")
+
+
+@dataclass
+class RunSummary:
+    schedule: str
+    job_id: int
+    status: str
+    steps: int
+    wall_s: float
+    samples: int
+    tokens: float
+    stage_s: dict[str, float]
+    rollout_busy_s: float
+    trainer_busy_s: float
+    reward_by_step: list[tuple[int, float]]
+    reward_by_wall: list[tuple[float, float]]
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def ideal_wall_s(self) -> float:
+        return max(self.rollout_busy_s, self.trainer_busy_s)
+
+    @property
+    def ratio_to_ideal(self) -> float:
+        return self.ideal_wall_s / self.wall_s if self.wall_s else 0.0
+
+
+def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of intervals, clipped to [lo, hi]."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def summarize(store: Store, job_id: int, schedule: str, samples_per_step: int) -> RunSummary:
+    steps = store.steps(job_id)
+    if not steps:
+        raise RuntimeError(f"job {job_id} ({schedule}) recorded no steps: {store.job(job_id).error}")
+    lo, hi = steps[0].started_at, steps[-1].ended_at
+    spans = [s for s in store.spans(job_id) if s.step >= 1]
+    stage_s: dict[str, float] = {}
+    for s in spans:
+        stage_s[s.stage] = stage_s.get(s.stage, 0.0) + (s.end - s.start)
+    rollout = [(s.start, s.end) for s in spans if s.stage in ROLLOUT_STAGES]
+    trainer = [(s.start, s.end) for s in spans if s.stage in TRAINER_STAGES]
+    rewards = store.metric_series(job_id, "rollout/reward_mean")
+    step_end = {st.step: st.ended_at - lo for st in steps}
+    tokens = sum(v for _, v in store.metric_series(job_id, "train/num_tokens"))
+    return RunSummary(
+        schedule=schedule,
+        job_id=job_id,
+        status=store.job(job_id).status,
+        steps=len(steps),
+        wall_s=hi - lo,
+        samples=len(steps) * samples_per_step,
+        tokens=tokens,
+        stage_s=stage_s,
+        rollout_busy_s=union_seconds(rollout, lo, hi),
+        trainer_busy_s=union_seconds(trainer, lo, hi),
+        reward_by_step=rewards,
+        reward_by_wall=[(step_end[k], v) for k, v in rewards if k in step_end],
+    )
+
+
+def run_schedules(base: JobSpec, out: Path, on_job=lambda schedule, job_id: None) -> list[RunSummary]:
+    """Run `base` once per schedule type into `out/bench.db`; returns one summary per schedule."""
+    from miles_control.run import run_job
+
+    out.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{out.resolve()}/bench.db"
+    store = Store(url)
+    samples_per_step = base.rollout.num_prompts_per_step * base.rollout.num_samples_per_prompt
+    summaries = []
+    for schedule in SCHEDULE_TYPES:
+        data = base.model_dump(mode="json")
+        data["name"] = f"{base.name}-bench-{schedule}"
+        data["schedule"]["type"] = schedule
+        data["schedule"]["stop_at_accuracy"] = None  # the same number of steps for every schedule
+        data["store"]["url"] = url
+        data["ray"]["cpu_split"] = True
+        spec = JobSpec.model_validate(data)
+        job_id = run_job(spec, store=store)
+        on_job(schedule, job_id)
+        summaries.append(summarize(store, job_id, schedule, samples_per_step))
+    return summaries
+
+
+def plot(summaries: list[RunSummary], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for name, key, xlabel in (
+        ("reward_vs_wall.png", "reward_by_wall", "wall time since the first step (s)"),
+        ("reward_vs_step.png", "reward_by_step", "step"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        for s in summaries:
+            points = getattr(s, key)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=s.schedule)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("mean rollout reward")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name)
+        plt.close(fig)
+        files.append(name)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    names = [s.schedule for s in summaries]
+    ax.bar(names, [s.rollout_busy_s for s in summaries], width=0.35, align="edge", label="rollout busy")
+    ax.bar(names, [s.trainer_busy_s for s in summaries], width=-0.35, align="edge", label="trainer busy")
+    ax.plot(names, [s.wall_s for s in summaries], "k_", markersize=40, label="wall time")
+    ax.set_ylabel("seconds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "time_breakdown.png")
+    plt.close(fig)
+    files.append("time_breakdown.png")
+    return files
+
+
+def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -> str:
+    from miles_control.schedules.fully_async import buffer_capacity
+
+    plots = plot(summaries, out)
+    base = summaries[0]
+    stages = sorted({k for s in summaries for k in s.stage_s})
+
+    def row(cells: list) -> str:
+        return "| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |"
+
+    lines = [
+        "# Schedule comparison",
+        "",
+        "## Machine and split",
+        "",
+        f"{split.get('machine', '')}. Trainer pinned to cores {split.get('trainer')}, rollout actor and its "
+        f"engine to cores {split.get('rollout')} (`ray.cpu_split`).",
+        "",
+        "## Workload",
+        "",
+        f"Spec `{spec.name}`: engine `{spec.rollout.engine.type}`, {spec.rollout.num_prompts_per_step} prompts × "
+        f"{spec.rollout.num_samples_per_prompt} samples per step, {spec.schedule.num_steps} steps, "
+        f"`update_weights_interval` {spec.schedule.update_weights_interval}, `max_staleness` "
+        f"{spec.schedule.max_staleness}, buffer {buffer_capacity(spec.schedule, spec.rollout.num_prompts_per_step)} "
+        f"groups, transport `{spec.sync.transport}`.",
+        "",
+        "## Throughput",
+        "",
+        "| schedule | status | steps | wall s | samples/s | tokens/s | vs sync | achieved / ideal bound |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        lines.append(
+            row(
+                [
+                    s.schedule,
+                    s.status,
+                    s.steps,
+                    s.wall_s,
+                    s.samples_per_s,
+                    s.tokens_per_s,
+                    s.samples_per_s / base.samples_per_s if base.samples_per_s else 0.0,
+                    s.ratio_to_ideal,
+                ]
+            )
+        )
+    lines += [
+        "",
+        "The ideal bound is the wall time a perfect overlap would need: max(rollout busy, trainer busy).",
+        "",
+        "## Time per stage (s)",
+        "",
+        "| schedule | " + " | ".join(stages) + " |",
+        "|---|" + "---|" * len(stages),
+    ]
+    for s in summaries:
+        lines.append(row([s.schedule, *[s.stage_s.get(k, 0.0) for k in stages]]))
+    lines += [
+        "",
+        "## Busy and idle share per component",
+        "",
+        "| schedule | rollout busy s | rollout idle share | trainer busy s | trainer idle share |",
+        "|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        lines.append(
+            row(
+                [
+                    s.schedule,
+                    s.rollout_busy_s,
+                    1 - s.rollout_busy_s / s.wall_s,
+                    s.trainer_busy_s,
+                    1 - s.trainer_busy_s / s.wall_s,
+                ]
+            )
+        )
+    lines += ["", "## Reward", "", *[f"![{p}]({p})" for p in plots], ""]
+    lines += ["| schedule | " + " | ".join(f"step {k}" for k, _ in base.reward_by_step) + " |"]
+    lines += ["|---|" + "---|" * len(base.reward_by_step)]
+    for s in summaries:
+        by_step = dict(s.reward_by_step)
+        lines.append(row([s.schedule, *[by_step.get(k, float("nan")) for k, _ in base.reward_by_step]]))
+    lines += ["", f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.", ""]
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text)
+    return text
