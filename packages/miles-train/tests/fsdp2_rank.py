@@ -1,6 +1,9 @@
 """One trainer rank for the backend contract tests, run as its own process (torch.distributed needs one).
 
-usage: python fsdp2_rank.py MODEL_DIR RANK WORLD_SIZE PORT OUT_FILE CKPT_DIR [MIXED_PRECISION]
+usage: python fsdp2_rank.py MODEL_DIR RANK WORLD_SIZE PORT OUT_FILE CKPT_DIR [MIXED_PRECISION] [offpolicy]
+
+`offpolicy` turns on truncated importance sampling (cap 1.5) and staleness decay (0.5 per version),
+with staleness 0, 1, 2 within each group.
 """
 
 import sys
@@ -29,6 +32,15 @@ def contract_batch() -> TrainBatch:
     return TrainBatch(**rows)
 
 
+def offpolicy_batch() -> TrainBatch:
+    """The contract batch as stale data: ages 0, 1, 2 per group, and rollout logprobs that make the
+    importance ratio fall on both sides of the cap (−2 and −4 alternate; the model's are near −2.8)."""
+    batch = contract_batch()
+    batch.staleness = [0, 1, 2, 0, 1, 2]
+    batch.rollout_logprobs = [[-2.0 if j % 2 == 0 else -4.0 for j in range(len(r))] for r in batch.rollout_logprobs]
+    return batch
+
+
 def snapshot(backend) -> dict[str, torch.Tensor]:
     # Exported tensors may alias live parameters (on CPU), so copy them before training on.
     return {name: tensor.clone() for name, tensor in backend.export_weights()}
@@ -37,17 +49,21 @@ def snapshot(backend) -> dict[str, torch.Tensor]:
 def main() -> None:
     model_dir, rank, world_size, port, out, ckpt = sys.argv[1:7]
     mixed = sys.argv[7] if len(sys.argv) > 7 else "none"
+    offpolicy = len(sys.argv) > 8 and sys.argv[8] == "offpolicy"
     rank, world_size = int(rank), int(world_size)
     torch.set_num_threads(1)
+    grpo = {"old_logprobs": "recompute", "kl_coef": 0.1}
+    if offpolicy:
+        grpo |= {"tis_cap": 1.5, "staleness": "decay", "staleness_decay": 0.5}
     config = TrainConfig.model_validate(
         {
             "backend": {"world_size": world_size, "mixed_precision": mixed},
             "optimizer": {"lr": 1e-3, "max_grad_norm": 1.0},
-            "grpo": {"old_logprobs": "recompute", "kl_coef": 0.1},
+            "grpo": grpo,
         }
     )
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")
-    batch = contract_batch()
+    batch = offpolicy_batch() if offpolicy else contract_batch()
     result = {"initial": snapshot(backend)}
     result["logprobs"] = backend.compute_logprobs(batch)
     result["metrics"] = backend.train_step(batch)
