@@ -169,10 +169,13 @@ def print_summary(store, job_id: int) -> None:
     for st in s.stages:
         tps = "-" if st.tokens_per_s is None else f"{st.tokens_per_s:,.0f}"
         table.add_row(st.stage, str(st.count), f"{st.total_s:.2f}", f"{st.share_of_wall:.1%}", tps)
-    if s.wall_s > 0:  # what no stage accounts for: driver, Ray calls, batch conversion, store writes
-        other = max(0.0, s.wall_s - sum(st.total_s for st in s.stages))
+    overlapping = sum(st.total_s for st in s.stages) > s.wall_s * 1.01
+    if s.wall_s > 0 and not overlapping:  # what no stage accounts for: driver, Ray calls, store writes
+        other = s.wall_s - sum(st.total_s for st in s.stages)
         table.add_row("[dim]other[/]", "", f"{other:.2f}", f"{other / s.wall_s:.1%}", "")
     out.print(table)
+    if overlapping:
+        out.print("stages overlapped (asynchronous schedule): their shares add up to more than 100 %")
     if s.weight_sync_s:
         out.print(
             f"weight update latency: mean {sum(s.weight_sync_s) / len(s.weight_sync_s) * 1000:.1f} ms, "
