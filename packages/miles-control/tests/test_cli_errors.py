@@ -78,3 +78,27 @@ def test_data_arithmetic_writes_loadable_jsonl(tmp_path):
     assert {r.prompt[2] for r in records} <= {"+", "*"}
     bad = subprocess.run([*MILES, "data", "arithmetic", str(out), "--operations", "/"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--operations" in bad.stderr
+
+
+def test_schedule_set_queues_live_changes_and_refuses_others(tmp_path):
+    url = f"sqlite:///{tmp_path}/m.db"
+    store = Store(url)
+    job = store.create_job("j", {})
+
+    def schedule_set(*args: str) -> subprocess.CompletedProcess:
+        cmd = [*MILES, "schedule", "set", *args, "--store", url]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+
+    ok = schedule_set(str(job), "update_weights_interval=2", "pause_mode=retract")
+    assert ok.returncode == 0, ok.stderr
+    [change] = store.pending_schedule_changes(job)
+    assert change.patch == {"update_weights_interval": 2, "pause_mode": "retract"}  # typed values
+
+    bad = schedule_set(str(job), "num_steps=5", "max_staleness")
+    assert bad.returncode == 2
+    assert (
+        "num_steps: not a live schedule field" in bad.stderr and "'max_staleness': expected field=value" in bad.stderr
+    )
+    missing = schedule_set("999", "max_staleness=2")
+    assert missing.returncode == 2 and "no job 999" in missing.stderr
+    assert len(store.pending_schedule_changes(job)) == 1  # nothing else was queued

@@ -113,6 +113,46 @@ def data_arithmetic(
     console.print(f"wrote {num_prompts} prompts to {out}")
 
 
+schedule_app = typer.Typer(help="Change the schedule of a running job.", no_args_is_help=True)
+app.add_typer(schedule_app, name="schedule")
+
+
+@schedule_app.command("set")
+def schedule_set(
+    job_id: Annotated[int, typer.Argument(help="The running job (its id in the store).")],
+    changes: Annotated[list[str], typer.Argument(help="field=value, e.g. update_weights_interval=2.")],
+    store_url: Annotated[str, typer.Option("--store", help="SQLAlchemy URL of the job store.")] = (
+        "sqlite:///.miles/miles.db"
+    ),
+) -> None:
+    """Queue a change of live schedule fields; the job applies it at its next step and records it."""
+    import yaml
+
+    from miles_control.config import LIVE_SCHEDULE_FIELDS
+    from miles_control.store import Store
+
+    patch, problems = {}, []
+    for item in changes:
+        key, sep, value = item.partition("=")
+        if not sep:
+            problems.append(f"{item!r}: expected field=value")
+        elif key not in LIVE_SCHEDULE_FIELDS:
+            problems.append(f"{key}: not a live schedule field (live: {', '.join(LIVE_SCHEDULE_FIELDS)})")
+        else:
+            patch[key] = yaml.safe_load(value)
+    if problems:
+        for line in problems:
+            console.print(f"[bold red]error:[/] {line}", highlight=False)
+        raise typer.Exit(2)
+    store = Store(store_url)
+    try:
+        change_id = store.request_schedule_change(job_id, patch)
+    except KeyError as exc:
+        console.print(f"[bold red]error:[/] {exc.args[0]} in {store_url}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(f"queued change {change_id} for job {job_id}: {patch} (applied at its next step)")
+
+
 bench_app = typer.Typer(help="Benchmarks that run whole jobs.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
