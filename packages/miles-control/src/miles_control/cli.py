@@ -206,12 +206,15 @@ def print_summary(store, job_id: int) -> None:
     table = Table(title=f"job {job_id} ({s.status}): {s.num_steps} steps in {s.wall_s:.1f} s")
     for col in ("stage", "spans", "time (s)", "share of wall", "tokens/s"):
         table.add_column(col, justify="left" if col == "stage" else "right")
+    # wait_rollout is the trainer waiting for data: idle time, shown but not counted as work.
+    work = [st for st in s.stages if st.stage != "wait_rollout"]
     for st in s.stages:
         tps = "-" if st.tokens_per_s is None else f"{st.tokens_per_s:,.0f}"
-        table.add_row(st.stage, str(st.count), f"{st.total_s:.2f}", f"{st.share_of_wall:.1%}", tps)
-    overlapping = sum(st.total_s for st in s.stages) > s.wall_s * 1.01
+        name = st.stage if st in work else f"[dim]{st.stage} (trainer idle)[/]"
+        table.add_row(name, str(st.count), f"{st.total_s:.2f}", f"{st.share_of_wall:.1%}", tps)
+    overlapping = sum(st.total_s for st in work) > s.wall_s * 1.01
     if s.wall_s > 0 and not overlapping:  # what no stage accounts for: driver, Ray calls, store writes
-        other = s.wall_s - sum(st.total_s for st in s.stages)
+        other = s.wall_s - sum(st.total_s for st in work)
         table.add_row("[dim]other[/]", "", f"{other:.2f}", f"{other / s.wall_s:.1%}", "")
     out.print(table)
     if overlapping:
