@@ -28,6 +28,17 @@ def _root() -> None:
     """Miles command line."""
 
 
+def load_spec_or_exit(config: Path, overrides: list[str]):
+    """The validated spec, or exit 2 with one line per problem (naming the field) before anything loads."""
+    try:
+        return load_spec(config, overrides)
+    except SpecError as exc:
+        console.print(f"[bold red]error:[/] invalid job spec [bold]{exc.source}[/]")
+        for line in exc.errors:
+            console.print(f"  {line}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def run(
     config: Annotated[Path, typer.Argument(help="Job spec (YAML).")],
@@ -35,13 +46,7 @@ def run(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a job to the end, with live progress and a per-stage timing table."""
-    try:
-        spec = load_spec(config, set_)
-    except SpecError as exc:
-        console.print(f"[bold red]error:[/] invalid job spec [bold]{exc.source}[/]")
-        for line in exc.errors:
-            console.print(f"  {line}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+    spec = load_spec_or_exit(config, set_)
 
     from miles_control.run import run_job
     from miles_control.store import Store
@@ -168,13 +173,7 @@ def bench_schedules(
 ) -> None:
     """Run the same workload under sync, one_step_off and fully_async; write a report with plots."""
     overrides = list(set_) + ([f"schedule.num_steps={steps}"] if steps else [])
-    try:
-        spec = load_spec(config, overrides)
-    except SpecError as exc:
-        console.print(f"[bold red]error:[/] invalid job spec [bold]{exc.source}[/]")
-        for line in exc.errors:
-            console.print(f"  {line}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+    spec = load_spec_or_exit(config, overrides)
     import platform
 
     from miles_control.bench import report, run_schedules

@@ -43,3 +43,27 @@ class BackgroundEval:
         self.rt.recorder.metrics(self._step, metrics)
         self._ref, self.latest = None, metrics
         return metrics
+
+
+def finish_step(
+    rt: JobRuntime,
+    evals: BackgroundEval,
+    cfg: ScheduleConfig,
+    step: int,
+    version: int,
+    last: bool,
+    eval_every: int,
+    step_start: float,
+    metrics: dict[str, float],
+    on_step: StepCallback,
+) -> None:
+    """After a train step of an asynchronous schedule: push if due, evaluate beside training, record."""
+    if version % cfg.update_weights_interval == 0 or last:
+        metrics |= rt.push_weights(step, version, cfg.pause_mode)
+    if (eval_every and step % eval_every == 0) or last:
+        evals.start(step)
+    evaluated = evals.poll(wait=last or not cfg.async_eval)  # recorded at the step it started
+    metrics["step/wall_s"] = time.time() - step_start
+    rt.recorder.step(step, rt.weight_version, step_start, time.time())
+    rt.recorder.metrics(step, metrics)
+    on_step(step, {**metrics, **evaluated})

@@ -14,7 +14,7 @@ import time
 
 from miles_control.config import ScheduleConfig
 from miles_control.runtime.job import JobRuntime
-from miles_control.schedules.common import BackgroundEval, StepCallback, should_stop
+from miles_control.schedules.common import BackgroundEval, StepCallback, finish_step, should_stop
 from miles_control.schedules.control import LiveSchedule
 
 
@@ -45,15 +45,7 @@ def run_fully_async(rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, o
             metrics |= rt.train(step, batch, staleness)
             version += 1
             last = step == schedule.num_steps
-            if version % cfg.update_weights_interval == 0 or last:
-                metrics |= rt.push_weights(step, version, cfg.pause_mode)
-            if (eval_every and step % eval_every == 0) or last:
-                evals.start(step)
-            evaluated = evals.poll(wait=last or not cfg.async_eval)
-            metrics["step/wall_s"] = time.time() - step_start
-            rt.recorder.step(step, rt.weight_version, step_start, time.time())
-            rt.recorder.metrics(step, metrics)
-            on_step(step, {**metrics, **evaluated})
+            finish_step(rt, evals, cfg, step, version, last, eval_every, step_start, metrics, on_step)
             if should_stop(schedule, {**evals.latest, **metrics}, started):
                 break
         evals.poll(wait=True)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 
 from miles_control.config import ScheduleConfig
+from miles_control.convert import staleness_metrics
 from miles_control.runtime.job import JobRuntime
-from miles_control.schedules.common import BackgroundEval, StepCallback, should_stop
+from miles_control.schedules.common import BackgroundEval, StepCallback, finish_step, should_stop
 from miles_control.schedules.control import LiveSchedule
 
 
@@ -35,24 +36,10 @@ def run_one_step_off(rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, 
             pending = rt.generate_async()  # the next batch, generated while this one trains
         staleness = [version - min(s.weight_versions) for s in batch.samples]
         metrics |= rt.train(step, batch, staleness)
-        metrics |= _staleness(staleness)
+        metrics |= staleness_metrics(staleness)
         version += 1
-        if version % cfg.update_weights_interval == 0 or last:
-            metrics |= rt.push_weights(step, version, cfg.pause_mode)
-        if (eval_every and step % eval_every == 0) or last:
-            evals.start(step)
-        evaluated = evals.poll(wait=last or not cfg.async_eval)  # recorded at the step it started
-        metrics["step/wall_s"] = time.time() - step_start
-        rt.recorder.step(step, rt.weight_version, step_start, time.time())
-        rt.recorder.metrics(step, metrics)
-        on_step(step, {**metrics, **evaluated})
+        finish_step(rt, evals, cfg, step, version, last, eval_every, step_start, metrics, on_step)
         if should_stop(schedule, {**evals.latest, **metrics}, started):
             break
     evals.poll(wait=True)
     return step
-
-
-def _staleness(staleness: list[int]) -> dict[str, float]:
-    from miles_control.convert import staleness_metrics
-
-    return staleness_metrics(staleness)
