@@ -25,7 +25,12 @@ def test_job_lifecycle_and_records(store):
     [span] = store.spans(job, "train")
     assert span.duration == 2.5 and span.attrs == {"a": 1}
     assert [s.weight_version for s in store.steps(job)] == [1]
-    assert store.events(job)[0].data == {"path": "/x"}
+    assert [e.data for e in store.events(job) if e.kind == "model"] == [{"path": "/x"}]
+    assert [e.message for e in store.events(job) if e.kind == "status"] == [
+        "queued → starting",
+        "starting → running",
+        "running → succeeded",
+    ]
     assert store.job(job).finished_at is not None
 
 

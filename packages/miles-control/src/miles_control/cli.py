@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from miles_control.cli_control import register as register_control_commands
 from miles_control.spec import SpecError, load_spec
 
 app = typer.Typer(
@@ -227,6 +228,9 @@ def print_summary(store, job_id: int) -> None:
         curve = ", ".join(f"{step}:{acc:.2f}" for step, acc in s.eval_accuracy)
         out.print(f"held-out accuracy by step: {curve}")
     out.print(f"store: {store.url} (job {job_id})")
+
+
+register_control_commands(app)
 
 
 def main() -> None:

@@ -80,6 +80,9 @@ class ScheduleConfig(_Strict):
         None, gt=0, le=1, description="Stop once held-out accuracy reaches this value."
     )
     save_final: bool = Field(False, description="Save a trainer checkpoint at the end of the run.")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Save a trainer checkpoint every N steps (0 = never); a resumed job starts after the last."
+    )
 
     @model_validator(mode="after")
     def _staleness_reachable(self) -> ScheduleConfig:
@@ -96,6 +99,7 @@ LIVE_SCHEDULE_FIELDS = ("update_weights_interval", "max_staleness", "pause_mode"
 
 class StoreConfig(_Strict):
     url: str = Field("sqlite:///.miles/miles.db", description="SQLAlchemy URL of the job store.")
+    samples_per_step: int = Field(4, ge=0, le=64, description="Generations kept per step for people to read.")
 
 
 class RayConfig(_Strict):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from miles_control.store import Store
@@ -47,3 +49,33 @@ class Recorder:
 
     def step(self, step: int, weight_version: int, start: float, end: float) -> None:
         self.store.add_step(self.job_id, step, weight_version, start, end)
+
+    def checkpoint(self, step: int, weight_version: int, path: Path) -> None:
+        self.store.add_checkpoint(self.job_id, step, weight_version, str(path))
+        self.event("checkpoint", f"saved {path}", step=step, path=str(path))
+
+    def samples(self, step: int, samples: Sequence[Any], limit: int) -> None:
+        """Keep the first sample of each of the first `limit` groups: a bounded, readable slice of a step."""
+        chosen, seen = [], set()
+        for sample in samples:
+            if len(chosen) >= limit:
+                break
+            if sample.group_index not in seen:
+                seen.add(sample.group_index)
+                chosen.append(sample)
+        if chosen:
+            self.store.add_samples(
+                self.job_id,
+                step,
+                [
+                    dict(
+                        prompt=s.prompt,
+                        response=s.response_text,
+                        label=s.label,
+                        reward=float(s.reward),
+                        status=getattr(s.status, "value", str(s.status)),
+                        weight_versions=list(s.weight_versions),
+                    )
+                    for s in chosen
+                ],
+            )

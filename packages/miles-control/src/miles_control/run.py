@@ -1,8 +1,14 @@
-"""Run one job from a validated spec: data → model → Ray actors → schedule, recorded in the store."""
+"""Run one job from a validated spec: data → model → Ray actors → schedule, recorded in the store.
+
+`miles run` calls it in the terminal's process (a new job row, an "inline" attempt); the API's launcher
+runs it in a driver process (`miles_control.driver`) for a job row and attempt it made already.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import traceback
 import uuid
 from collections.abc import Callable
@@ -10,7 +16,7 @@ from pathlib import Path
 
 from miles_control.config import JobSpec
 from miles_control.recorder import Recorder
-from miles_control.store import JobStatus, Store
+from miles_control.store import InvalidTransition, JobStatus, Store
 
 log = logging.getLogger(__name__)
 
@@ -18,21 +24,42 @@ PhaseCallback = Callable[[str], None]
 StepCallback = Callable[[int, dict[str, float]], None]
 
 
+class JobCancelled(Exception):
+    """Raised in a driver on SIGTERM: the job was cancelled (or its driver is being stopped)."""
+
+
+def _finish(store: Store, job_id: int, status: JobStatus, error: str | None = None) -> None:
+    try:
+        store.set_status(job_id, status, error=error)
+    except InvalidTransition as exc:  # already final: e.g. marked failed by the API when the driver was lost
+        log.warning("job %d: not marked %s: %s", job_id, status.value, exc)
+
+
 def run_job(
     spec: JobSpec,
     on_phase: PhaseCallback = lambda phase: None,
     on_step: StepCallback = lambda step, metrics: None,
     store: Store | None = None,
+    job_id: int | None = None,
+    attempt_id: int | None = None,
 ) -> int:
     """Run `spec` to the end and return its job id. The job's row says how it ended; on failure
-    the exception propagates after the reason is stored, and everything recorded so far stays."""
+    the exception propagates after the reason is stored, and everything recorded so far stays.
+
+    With `job_id` and `attempt_id` (a launched job, status `starting`), the attempt's `resume_step`
+    says where to start: after the job's checkpoint of that step, or from scratch when 0."""
     store = store or Store(spec.store.url)
-    job_id = store.create_job(spec.name, spec.model_dump(mode="json"))
+    if job_id is None:
+        job_id = store.create_job(spec.name, spec.model_dump(mode="json"))
+        store.set_status(job_id, JobStatus.STARTING)
+        attempt = store.start_attempt(job_id, "inline", driver_pid=os.getpid(), driver_host=socket.gethostname())
+    else:
+        attempt = next(a for a in store.attempts(job_id) if a.id == attempt_id)
     recorder = Recorder(store, job_id)
     runtime = None
     started_ray = False
+    outcome = "ended"
     try:
-        store.set_status(job_id, JobStatus.STARTING)
         on_phase("loading prompts")
         from miles_control.data import load_job_prompts
 
@@ -51,22 +78,34 @@ def run_job(
         run_dir = Path(spec.output_dir).resolve() / f"job-{job_id}-{uuid.uuid4().hex[:8]}"
         recorder.event("run_dir", f"run folder {run_dir}", path=str(run_dir))
         runtime = JobRuntime(spec, model_path, recorder, train_prompts, eval_prompts, run_dir)
-        store.set_status(job_id, JobStatus.RUNNING)
+        first_step = 1
+        if attempt.resume_step:
+            checkpoint = next(c for c in store.checkpoints(job_id) if c.step == attempt.resume_step)
+            runtime.restore(Path(checkpoint.path), checkpoint.step)
+            first_step = checkpoint.step + 1
+        store.set_status(job_id, JobStatus.RUNNING, expect=JobStatus.STARTING)
+        store.update_attempt(attempt.id, status="running")
         on_phase("running")
-        steps = SCHEDULES[spec.schedule.type](runtime, spec.schedule, spec.rollout.eval.every_steps, on_step)
+        steps = SCHEDULES[spec.schedule.type](
+            runtime, spec.schedule, spec.rollout.eval.every_steps, on_step, first_step=first_step
+        )
         if spec.schedule.save_final:
-            runtime.save(run_dir / "checkpoint")
-            recorder.event("checkpoint", f"saved {run_dir / 'checkpoint'}", step=steps)
+            runtime.checkpoint(steps)
         store.set_status(job_id, JobStatus.SUCCEEDED)
-    except KeyboardInterrupt:
-        store.set_status(job_id, JobStatus.CANCELLED, error="interrupted")
+        outcome = "succeeded"
+    except (KeyboardInterrupt, JobCancelled) as exc:
+        reason = "cancelled" if store.job(job_id).cancel_requested else f"interrupted ({type(exc).__name__})"
+        _finish(store, job_id, JobStatus.CANCELLED, error=reason)
+        outcome = reason
         raise
     except BaseException as exc:
         log.debug("job %d failed", job_id, exc_info=True)
-        store.set_status(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
-        recorder.event("error", f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-4000:])
+        outcome = f"{type(exc).__name__}: {exc}"
+        _finish(store, job_id, JobStatus.FAILED, error=outcome)
+        recorder.event("error", outcome, trace=traceback.format_exc()[-4000:])
         raise
     finally:
+        store.end_attempt(attempt.id, outcome)
         if runtime is not None:
             runtime.shutdown()
         if started_ray:

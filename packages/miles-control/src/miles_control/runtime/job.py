@@ -122,6 +122,7 @@ class JobRuntime:
 
         self.spec = spec
         self.recorder = recorder
+        self.run_dir = run_dir
         self.weight_version = 0
         self.cpu_split = split_cpus() if spec.ray.cpu_split else {"trainer": None, "rollout": None}
         if spec.ray.cpu_split:
@@ -163,6 +164,7 @@ class JobRuntime:
         for t in batch.timings:
             worker = "trainer" if t.stage == "wait_rollout" else "rollout-0"
             self.recorder.span(t.stage, step, worker, t.start, t.end, num_tokens=t.num_tokens)
+        self.recorder.samples(step, batch.samples, self.spec.store.samples_per_step)
         return batch
 
     # ---- fully_async ---------------------------------------------------------------------------
@@ -261,6 +263,28 @@ class JobRuntime:
 
     def save(self, directory: Path) -> None:
         self.trainer.call("save", str(directory))
+
+    def checkpoint_if_due(self, step: int) -> None:
+        every = self.spec.schedule.checkpoint_every
+        if every and step % every == 0:
+            self.checkpoint(step)
+
+    def checkpoint(self, step: int) -> Path:
+        """Save the trainer (weights + optimizer) after `step`; a resume starts from the newest one."""
+        directory = self.run_dir / "checkpoints" / f"step-{step}"
+        start = time.time()
+        self.save(directory)
+        self.recorder.span("checkpoint", step, "trainer", start, time.time())
+        self.recorder.checkpoint(step, self.weight_version, directory)
+        return directory
+
+    def restore(self, directory: Path, step: int) -> dict[str, float]:
+        """Load a checkpoint into the trainer and push its weights to the engines, as version `step`."""
+        start = time.time()
+        self.trainer.call("load", str(directory))
+        self.recorder.span("restore", step, "trainer", start, time.time())
+        self.recorder.event("resume", f"resumed from {directory} (after step {step})", step=step, path=str(directory))
+        return self.push_weights(step, version=step)
 
     def shutdown(self) -> None:
         import ray

@@ -66,4 +66,5 @@ def finish_step(
     metrics["step/wall_s"] = time.time() - step_start
     rt.recorder.step(step, rt.weight_version, step_start, time.time())
     rt.recorder.metrics(step, metrics)
+    rt.checkpoint_if_due(step)
     on_step(step, {**metrics, **evaluated})

@@ -22,20 +22,23 @@ def buffer_capacity(schedule: ScheduleConfig, groups_per_step: int) -> int:
     return schedule.buffer_groups or 2 * groups_per_step
 
 
-def run_fully_async(rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback) -> int:
+def run_fully_async(
+    rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback, first_step: int = 1
+) -> int:
     started = time.time()
     groups_per_step = rt.spec.rollout.num_prompts_per_step
     live = LiveSchedule(schedule, rt.recorder)
     evals = BackgroundEval(rt)
-    evals.start(0)
-    evals.poll(wait=True)
+    if first_step == 1:
+        evals.start(0)
+        evals.poll(wait=True)
     capacity = buffer_capacity(schedule, groups_per_step)
     # Calls of half a step's prompts: small enough that the buffer fills steadily and pushes interleave.
     rt.start_stream(capacity, max(1, groups_per_step // 2))
-    version = 0
-    step = 0
+    version = first_step - 1
+    step = first_step - 1
     try:
-        for step in range(1, schedule.num_steps + 1):
+        for step in range(first_step, schedule.num_steps + 1):
             for patch in live.apply_pending(step):
                 if "buffer_groups" in patch:
                     rt.resize_buffer(buffer_capacity(live.config, groups_per_step))

@@ -17,16 +17,19 @@ from miles_control.schedules.common import BackgroundEval, StepCallback, finish_
 from miles_control.schedules.control import LiveSchedule
 
 
-def run_one_step_off(rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback) -> int:
+def run_one_step_off(
+    rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback, first_step: int = 1
+) -> int:
     started = time.time()
     live = LiveSchedule(schedule, rt.recorder)
     evals = BackgroundEval(rt)
-    evals.start(0)
-    evals.poll(wait=True)  # the starting point, before any training
-    version = 0  # the trainer's version: train steps done
+    if first_step == 1:
+        evals.start(0)
+        evals.poll(wait=True)  # the starting point, before any training
+    version = first_step - 1  # the trainer's version: train steps done
     pending = rt.generate_async()
-    step = 0
-    for step in range(1, schedule.num_steps + 1):
+    step = first_step - 1
+    for step in range(first_step, schedule.num_steps + 1):
         live.apply_pending(step)
         cfg = live.config
         step_start = time.time()

@@ -10,13 +10,16 @@ from miles_control.schedules.common import StepCallback, should_stop
 from miles_control.schedules.control import LiveSchedule
 
 
-def run_sync(rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback) -> int:
-    """Run the loop; returns the number of steps completed."""
+def run_sync(
+    rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback, first_step: int = 1
+) -> int:
+    """Run the loop from `first_step` (after a resume: the step after the checkpoint); returns the last step."""
     started = time.time()
     live = LiveSchedule(schedule, rt.recorder)
-    rt.recorder.metrics(0, rt.evaluate(step=0))
-    step = 0
-    for step in range(1, schedule.num_steps + 1):
+    if first_step == 1:
+        rt.recorder.metrics(0, rt.evaluate(step=0))
+    step = first_step - 1
+    for step in range(first_step, schedule.num_steps + 1):
         live.apply_pending(step)
         step_start = time.time()
         batch, metrics = rt.generate(step)
@@ -27,6 +30,7 @@ def run_sync(rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step:
         metrics["step/wall_s"] = time.time() - step_start
         rt.recorder.step(step, rt.weight_version, step_start, time.time())
         rt.recorder.metrics(step, metrics)
+        rt.checkpoint_if_due(step)
         on_step(step, metrics)
         if should_stop(schedule, metrics, started):
             if "eval/accuracy" not in metrics:

@@ -1,6 +1,38 @@
-"""The job store: SQLAlchemy models and a small API over them."""
+"""The job store: SQLAlchemy models, Alembic migrations and a small API over them."""
 
-from miles_control.store.models import Base, Event, Job, JobStatus, Metric, Span, Step
-from miles_control.store.store import Store
+from miles_control.store.models import (
+    ApiToken,
+    Attempt,
+    Base,
+    Checkpoint,
+    Event,
+    GenerationSample,
+    Job,
+    JobStatus,
+    Metric,
+    ScheduleChange,
+    Span,
+    Step,
+)
+from miles_control.store.store import ACTIVE, FINAL, TRANSITIONS, InvalidTransition, JobNotFound, Store
 
-__all__ = ["Base", "Event", "Job", "JobStatus", "Metric", "Span", "Step", "Store"]
+__all__ = [
+    "ACTIVE",
+    "FINAL",
+    "TRANSITIONS",
+    "ApiToken",
+    "Attempt",
+    "Base",
+    "Checkpoint",
+    "Event",
+    "GenerationSample",
+    "InvalidTransition",
+    "Job",
+    "JobNotFound",
+    "JobStatus",
+    "Metric",
+    "ScheduleChange",
+    "Span",
+    "Step",
+    "Store",
+]

@@ -1,11 +1,15 @@
-"""Tables of the job store: jobs, steps, per-stage spans, metrics and events."""
+"""Tables of the job store: jobs and their attempts, steps, per-stage spans, metrics, events,
+checkpoints, schedule changes, a sample of generations, and API tokens.
+
+The schema is owned by the Alembic migrations in `store/migrations/`; a test checks that these models
+and the migrations agree."""
 
 from __future__ import annotations
 
 import enum
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -37,6 +41,82 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Added by migration 0002 (the control plane).
+    source: Mapped[str] = mapped_column(String(20), default="cli", server_default="cli")  # cli | api
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    updated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, default=utcnow)
+
+    __table_args__ = (Index("ix_jobs_status", "status"),)
+
+
+class Attempt(Base):
+    """One launch of a job: the first run, then one per resume. Says where its driver runs."""
+
+    __tablename__ = "attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    launcher: Mapped[str] = mapped_column(String(20))  # local | ray_job | inline
+    resume_step: Mapped[int] = mapped_column(Integer, default=0)  # the checkpoint step it starts after
+    driver_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    driver_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    submission_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    log_path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    status: Mapped[str] = mapped_column(String(20), default="starting")  # starting | running | ended
+    exit_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    __table_args__ = (Index("ix_attempts_job_number", "job_id", "number", unique=True),)
+
+
+class Checkpoint(Base):
+    """A trainer checkpoint (weights + optimizer) a failed or cancelled job resumes from."""
+
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    weight_version: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (Index("ix_checkpoints_job_step", "job_id", "step"),)
+
+
+class GenerationSample(Base):
+    """A few generations of a step, as text, for people to read (the trainer keeps token ids)."""
+
+    __tablename__ = "samples"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    prompt: Mapped[str] = mapped_column(Text)
+    response: Mapped[str] = mapped_column(Text)
+    label: Mapped[str | None] = mapped_column(Text, nullable=True)
+    reward: Mapped[float] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(20))
+    weight_versions: Mapped[list] = mapped_column(JSON, default=list)
+
+    __table_args__ = (Index("ix_samples_job_step", "job_id", "step"),)
+
+
+class ApiToken(Base):
+    """A bearer token of the REST API. Only its SHA-256 is stored; the token is shown once."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    scope: Mapped[str] = mapped_column(String(20))  # read | admin
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))  # shown in listings to tell tokens apart
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class Step(Base):
@@ -98,6 +178,8 @@ class Event(Base):
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (Index("ix_events_job_id", "job_id", "id"),)
 
 
 class ScheduleChange(Base):

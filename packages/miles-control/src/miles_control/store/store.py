@@ -7,67 +7,170 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, event, select
+from sqlalchemy import create_engine, event, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from miles_control.store.models import Base, Event, Job, JobStatus, Metric, ScheduleChange, Span, Step, utcnow
+from miles_control.store.migrate import ensure_schema
+from miles_control.store.models import (
+    Attempt,
+    Checkpoint,
+    Event,
+    GenerationSample,
+    Job,
+    JobStatus,
+    Metric,
+    ScheduleChange,
+    Span,
+    Step,
+    utcnow,
+)
 
-_FINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}
+FINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+ACTIVE = frozenset({JobStatus.QUEUED, JobStatus.STARTING, JobStatus.RUNNING})
+# The job lifecycle. A resume is the only way out of a final state: failed | cancelled → queued.
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.QUEUED: frozenset({JobStatus.STARTING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.STARTING: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.SUCCEEDED: frozenset(),
+    JobStatus.FAILED: frozenset({JobStatus.QUEUED}),
+    JobStatus.CANCELLED: frozenset({JobStatus.QUEUED}),
+}
+
+
+class JobNotFound(KeyError):
+    def __init__(self, job_id: int) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+
+    def __str__(self) -> str:
+        return f"no job {self.job_id}"
+
+
+class InvalidTransition(ValueError):
+    """A lifecycle change the job's current status does not allow."""
+
+    def __init__(self, job_id: int, current: str, wanted: str) -> None:
+        allowed = sorted(s.value for s in TRANSITIONS[JobStatus(current)])
+        super().__init__(
+            f"job {job_id} is {current}; it cannot become {wanted} "
+            f"(from {current}: {', '.join(allowed) if allowed else 'no further change'})"
+        )
+        self.job_id, self.current, self.wanted = job_id, current, wanted
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA busy_timeout=10000")
     cursor.close()
 
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url)
+    engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite"))
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine
 
 
 class Store:
-    """Jobs, steps, spans, metrics and events of runs."""
+    """Jobs and everything their runs record: attempts, steps, spans, metrics, events, checkpoints, samples."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
-        Base.metadata.create_all(self.engine)
+        ensure_schema(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def session(self) -> Session:
         return self._sessions()
 
-    # --- writes -------------------------------------------------------------------------------
-    def create_job(self, name: str, spec: dict[str, Any]) -> int:
+    # --- lifecycle ----------------------------------------------------------------------------
+    def create_job(self, name: str, spec: dict[str, Any], source: str = "cli") -> int:
         with self.session() as s, s.begin():
-            job = Job(name=name, spec=spec, status=JobStatus.QUEUED.value)
+            job = Job(name=name, spec=spec, status=JobStatus.QUEUED.value, source=source)
             s.add(job)
             s.flush()
             return job.id
 
-    def set_status(self, job_id: int, status: JobStatus, error: str | None = None) -> None:
+    def set_status(
+        self, job_id: int, status: JobStatus, error: str | None = None, expect: JobStatus | None = None
+    ) -> None:
+        """Move a job along its lifecycle; refuses what `TRANSITIONS` does not allow (InvalidTransition).
+
+        With `expect`, the change happens only from that status (a compare-and-set between processes)."""
         with self.session() as s, s.begin():
-            job = s.get(Job, job_id)
+            job = s.get(Job, job_id, with_for_update=True)
             if job is None:
-                raise KeyError(f"no job {job_id}")
-            if JobStatus(job.status) in _FINAL:
-                raise ValueError(f"job {job_id} is {job.status}; it cannot become {status.value}")
+                raise JobNotFound(job_id)
+            current = JobStatus(job.status)
+            if status not in TRANSITIONS[current] or (expect is not None and current != expect):
+                raise InvalidTransition(job_id, current.value, status.value)
             job.status = status.value
+            job.updated_at = utcnow()
+            message = f"{current.value} → {status.value}" + (f": {error}" if error else "")
+            s.add(Event(job_id=job_id, kind="status", message=message, data={"status": status.value}))
             if status == JobStatus.RUNNING:
                 job.started_at = utcnow()
-            if status in _FINAL:
+            if status in FINAL:
                 job.finished_at = utcnow()
+            if status == JobStatus.QUEUED:  # a resume
+                job.finished_at, job.error, job.cancel_requested = None, None, False
             if error is not None:
                 job.error = error
 
+    def request_cancel(self, job_id: int) -> str:
+        """Cancel a job: at once when queued, else flag it for its launcher. Returns the resulting status."""
+        with self.session() as s, s.begin():
+            job = s.get(Job, job_id, with_for_update=True)
+            if job is None:
+                raise JobNotFound(job_id)
+            current = JobStatus(job.status)
+            if current not in ACTIVE:
+                raise InvalidTransition(job_id, current.value, JobStatus.CANCELLED.value)
+            job.cancel_requested = True
+            job.updated_at = utcnow()
+            if current == JobStatus.QUEUED:
+                job.status, job.finished_at, job.error = JobStatus.CANCELLED.value, utcnow(), "cancelled while queued"
+                s.add(Event(job_id=job_id, kind="status", message="queued → cancelled", data={"status": job.status}))
+            else:
+                s.add(Event(job_id=job_id, kind="cancel", message="cancel requested", data={}))
+            return job.status
+
+    def resume(self, job_id: int) -> int:
+        """failed | cancelled → queued; returns the step of the checkpoint the next attempt starts after."""
+        self.set_status(job_id, JobStatus.QUEUED)
+        last = self.last_checkpoint(job_id)
+        return last.step if last is not None else 0
+
+    def start_attempt(self, job_id: int, launcher: str, **fields: Any) -> Attempt:
+        last = self.last_checkpoint(job_id)
+        with self.session() as s, s.begin():
+            number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job_id)) or 0) + 1
+            attempt = Attempt(
+                job_id=job_id,
+                number=number,
+                launcher=launcher,
+                resume_step=last.step if last is not None else 0,
+                status="starting",
+                **fields,
+            )
+            s.add(attempt)
+            s.flush()
+            return attempt
+
+    def update_attempt(self, attempt_id: int, **fields: Any) -> None:
+        with self.session() as s, s.begin():
+            s.execute(update(Attempt).where(Attempt.id == attempt_id).values(**fields))
+
+    def end_attempt(self, attempt_id: int, reason: str) -> None:
+        self.update_attempt(attempt_id, status="ended", exit_reason=reason, ended_at=utcnow())
+
+    # --- what runs record ---------------------------------------------------------------------
     def add_step(self, job_id: int, step: int, weight_version: int, started_at: float, ended_at: float) -> None:
         with self.session() as s, s.begin():
             s.add(
@@ -90,6 +193,14 @@ class Store:
     ) -> None:
         with self.session() as s, s.begin():
             s.add(Event(job_id=job_id, kind=kind, message=message, step=step, data=data or {}))
+
+    def add_checkpoint(self, job_id: int, step: int, weight_version: int, path: str) -> None:
+        with self.session() as s, s.begin():
+            s.add(Checkpoint(job_id=job_id, step=step, weight_version=weight_version, path=path))
+
+    def add_samples(self, job_id: int, step: int, samples: Iterable[dict[str, Any]]) -> None:
+        with self.session() as s, s.begin():
+            s.add_all([GenerationSample(job_id=job_id, step=step, **sample) for sample in samples])
 
     def request_schedule_change(self, job_id: int, patch: dict[str, Any]) -> int:
         """Queue a change of live schedule fields; the running job applies it at its next step boundary."""
@@ -120,29 +231,106 @@ class Store:
         with self.session() as s:
             job = s.get(Job, job_id)
             if job is None:
-                raise KeyError(f"no job {job_id}")
+                raise JobNotFound(job_id)
             return job
 
-    def metric_series(self, job_id: int, name: str) -> list[tuple[int, float]]:
+    def jobs(
+        self, status: list[str] | None = None, name: str | None = None, limit: int = 50, offset: int = 0
+    ) -> tuple[list[Job], int]:
+        """Newest first, with the total count of matches (for pagination)."""
+        query = select(Job)
+        if status:
+            query = query.where(Job.status.in_(status))
+        if name:
+            query = query.where(Job.name.contains(name, autoescape=True))
         with self.session() as s:
-            rows = s.execute(
-                select(Metric.step, Metric.value)
-                .where(Metric.job_id == job_id, Metric.name == name)
-                .order_by(Metric.step)
-            )
-            return [(step, value) for step, value in rows]
+            total = s.scalar(select(func.count()).select_from(query.subquery()))
+            rows = s.scalars(query.order_by(Job.id.desc()).limit(limit).offset(offset))
+            return list(rows), int(total or 0)
 
-    def spans(self, job_id: int, stage: str | None = None) -> list[Span]:
+    def attempts(self, job_id: int | None = None, live_only: bool = False) -> list[Attempt]:
+        query = select(Attempt)
+        if job_id is not None:
+            query = query.where(Attempt.job_id == job_id)
+        if live_only:
+            query = query.where(Attempt.status != "ended")
         with self.session() as s:
-            query = select(Span).where(Span.job_id == job_id)
-            if stage is not None:
-                query = query.where(Span.stage == stage)
+            return list(s.scalars(query.order_by(Attempt.id)))
+
+    def attempt(self, attempt_id: int) -> Attempt:
+        with self.session() as s:
+            attempt = s.get(Attempt, attempt_id)
+            if attempt is None:
+                raise KeyError(f"no attempt {attempt_id}")
+            return attempt
+
+    def checkpoints(self, job_id: int) -> list[Checkpoint]:
+        with self.session() as s:
+            return list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+
+    def last_checkpoint(self, job_id: int) -> Checkpoint | None:
+        checkpoints = self.checkpoints(job_id)
+        return checkpoints[-1] if checkpoints else None
+
+    def metric_series(self, job_id: int, name: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in self.metrics(job_id, [name])]
+
+    def metrics(
+        self, job_id: int, names: list[str] | None = None, step_min: int | None = None, step_max: int | None = None
+    ) -> list[Metric]:
+        query = select(Metric).where(Metric.job_id == job_id)
+        if names:
+            query = query.where(Metric.name.in_(names))
+        if step_min is not None:
+            query = query.where(Metric.step >= step_min)
+        if step_max is not None:
+            query = query.where(Metric.step <= step_max)
+        with self.session() as s:
+            return list(s.scalars(query.order_by(Metric.name, Metric.step, Metric.id)))
+
+    def metric_names(self, job_id: int) -> list[str]:
+        with self.session() as s:
+            return list(s.scalars(select(Metric.name).where(Metric.job_id == job_id).distinct().order_by(Metric.name)))
+
+    def spans(
+        self, job_id: int, stage: str | None = None, step_min: int | None = None, step_max: int | None = None
+    ) -> list[Span]:
+        query = select(Span).where(Span.job_id == job_id)
+        if stage is not None:
+            query = query.where(Span.stage == stage)
+        if step_min is not None:
+            query = query.where(Span.step >= step_min)
+        if step_max is not None:
+            query = query.where(Span.step <= step_max)
+        with self.session() as s:
             return list(s.scalars(query.order_by(Span.start)))
 
     def steps(self, job_id: int) -> list[Step]:
         with self.session() as s:
             return list(s.scalars(select(Step).where(Step.job_id == job_id).order_by(Step.step)))
 
-    def events(self, job_id: int) -> list[Event]:
+    def last_step(self, job_id: int) -> int | None:
+        return self.last_steps([job_id]).get(job_id)
+
+    def last_steps(self, job_ids: list[int]) -> dict[int, int]:
         with self.session() as s:
-            return list(s.scalars(select(Event).where(Event.job_id == job_id).order_by(Event.id)))
+            query = select(Step.job_id, func.max(Step.step)).where(Step.job_id.in_(job_ids)).group_by(Step.job_id)
+            return {job_id: step for job_id, step in s.execute(query)}
+
+    def events(self, job_id: int, after_id: int = 0, limit: int | None = None) -> list[Event]:
+        query = select(Event).where(Event.job_id == job_id, Event.id > after_id).order_by(Event.id)
+        if limit is not None:
+            query = query.limit(limit)
+        with self.session() as s:
+            return list(s.scalars(query))
+
+    def samples(self, job_id: int, step: int | None = None, limit: int = 100) -> list[GenerationSample]:
+        query = select(GenerationSample).where(GenerationSample.job_id == job_id)
+        if step is not None:
+            query = query.where(GenerationSample.step == step)
+        with self.session() as s:
+            return list(s.scalars(query.order_by(GenerationSample.step.desc(), GenerationSample.id).limit(limit)))
+
+    def count_by_status(self) -> dict[str, int]:
+        with self.session() as s:
+            return {status: n for status, n in s.execute(select(Job.status, func.count()).group_by(Job.status))}

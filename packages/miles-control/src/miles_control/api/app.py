@@ -1,0 +1,169 @@
+"""The API server: FastAPI under /api/v1, Prometheus at /metrics, the launcher in the same process.
+
+`create_app(settings)` builds it; `miles serve` runs it with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from sqlalchemy import text
+
+from miles_control.api.auth import ReadToken
+from miles_control.api.launcher import Launcher
+from miles_control.api.routes import router
+from miles_control.api.schemas import Health
+from miles_control.api.settings import ServerSettings
+from miles_control.store import JobStatus, Store
+
+log = logging.getLogger(__name__)
+
+try:
+    VERSION = version("miles-control")
+except PackageNotFoundError:  # pragma: no cover - a source tree without metadata
+    VERSION = "0.0.0"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """413 for bodies over `max_bytes`, by Content-Length or while a chunked body streams in."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._reject(send, int(length) if length.isdigit() else None)
+        received = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyTooLarge
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._reject(send, None)
+
+    async def _reject(self, send, length: int | None) -> None:
+        size = f"{length} bytes" if length is not None else "the body"
+        response = JSONResponse({"detail": f"{size} is over the limit of {self.max_bytes} bytes"}, status_code=413)
+        await response({"type": "http"}, None, send)
+
+
+class _JobCollector:
+    """Scrape-time gauges from the store: jobs by status, and the newest step of each running job."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self):
+        by_status = GaugeMetricFamily("miles_jobs", "Jobs in the store, by status.", labels=["status"])
+        counts = self.store.count_by_status()
+        for status in JobStatus:
+            by_status.add_metric([status.value], counts.get(status.value, 0))
+        yield by_status
+        running, _ = self.store.jobs(status=[JobStatus.RUNNING.value], limit=500)
+        last = self.store.last_steps([j.id for j in running])
+        steps = GaugeMetricFamily("miles_job_last_step", "Newest completed step of each running job.", labels=["job"])
+        for job in running:
+            steps.add_metric([str(job.id)], last.get(job.id, 0))
+        yield steps
+
+
+def create_app(settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    store = Store(settings.store_url)
+    launcher = Launcher(store, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        launcher.start()
+        yield
+        launcher.stop()
+
+    app = FastAPI(
+        title="Miles",
+        version=VERSION,
+        summary="Control plane of Miles: jobs, their schedules, metrics, timing spans, events and samples.",
+        lifespan=lifespan,
+        generate_unique_id_function=lambda route: route.name,  # stable operation ids: the function names
+    )
+    app.state.settings, app.state.store, app.state.launcher = settings, store, launcher
+    app.state.token_touched = {}
+    app.include_router(router)
+
+    registry = CollectorRegistry()
+    registry.register(_JobCollector(store))
+    requests = Counter("miles_http_requests", "HTTP requests served.", ["method", "route", "code"], registry=registry)
+    latency = Histogram(
+        "miles_http_request_seconds",
+        "Time to serve an HTTP request.",
+        ["route"],
+        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        registry=registry,
+    )
+
+    @app.middleware("http")
+    async def measure(request: Request, call_next):
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = route.path if isinstance(route, APIRoute) else "other"
+        requests.labels(request.method, path, str(response.status_code)).inc()
+        latency.labels(path).observe(time.perf_counter() - start)
+        return response
+
+    @app.get("/api/v1/health", response_model=Health, tags=["service"], summary="Liveness; needs no token")
+    def health() -> Health:
+        try:
+            with store.engine.connect() as conn:
+                conn.execute(text("select 1"))
+            store_state = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: health must answer
+            store_state = f"error: {type(exc).__name__}"
+        degraded = store_state != "ok" or launcher.last_error is not None
+        return Health(
+            status="degraded" if degraded else "ok",
+            store=store_state,
+            launcher=settings.launcher,
+            launcher_error=launcher.last_error,
+            version=VERSION,
+        )
+
+    @app.get(
+        "/metrics",
+        tags=["service"],
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}}},
+    )
+    def prometheus_metrics(_: ReadToken) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,99 @@
+"""What a job spec submitted over the API may ask for, beyond what the spec itself validates.
+
+A request body never brings code: rewards are registered names or functions of configured, installed
+modules. Paths are confined: prompt files under the data root, model folders under the model root, run
+output under the server's runs folder. The store and the Ray cluster belong to the server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from miles_control.api.settings import ServerSettings
+from miles_control.config import JobSpec
+
+Problem = dict[str, Any]
+
+
+def _problem(loc: tuple[str, ...], msg: str) -> Problem:
+    return {"loc": ["body", "spec", *loc], "msg": msg, "type": "value_error"}
+
+
+def confine(root: Path, raw: str) -> Path | None:
+    """`raw` resolved under `root` (relative paths are taken from the root), or None if it escapes it."""
+    root = root.resolve()
+    path = (root / raw).resolve()  # an absolute `raw` replaces root; `..` and symlinks are resolved
+    return path if path == root or root in path.parents else None
+
+
+def job_demand(spec: JobSpec) -> float:
+    """CPUs the job's actors reserve on Ray: every trainer rank, plus the rollout actor."""
+    return spec.train.backend.world_size * spec.ray.trainer_cpus_per_rank + spec.ray.rollout_cpus
+
+
+def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[Problem]]:
+    """Returns the spec with its paths made absolute (and the server's store and runs folder), or problems."""
+    problems: list[Problem] = []
+    data = spec.model_dump(mode="json")
+    if "store" in spec.model_fields_set:
+        problems.append(_problem(("store",), "the server's store records API jobs; leave `store` out"))
+    if "address" in spec.ray.model_fields_set and spec.ray.address is not None:
+        problems.append(_problem(("ray", "address"), "the server decides where jobs run; leave `ray.address` out"))
+
+    def confined(root: Path, raw: str | None, loc: tuple[str, ...], what: str) -> str | None:
+        if raw is None:
+            return None
+        path = confine(root, raw)
+        if path is None:
+            problems.append(_problem(loc, f"{what} {raw!r} is outside {root.resolve()}"))
+            return raw
+        return str(path)
+
+    if data["model"]["source"] == "path":
+        data["model"]["path"] = confined(settings.model_root, data["model"]["path"], ("model", "path"), "model folder")
+    for key in ("path", "eval_path"):
+        data["data"][key] = confined(settings.data_root, data["data"][key], ("data", key), "prompt file")
+    runs = settings.runs_root
+    data["output_dir"] = (
+        confined(runs, data["output_dir"], ("output_dir",), "output folder")
+        if "output_dir" in spec.model_fields_set
+        else str(runs)
+    )
+    if data["sync"].get("dir") is not None:
+        data["sync"]["dir"] = confined(runs, data["sync"]["dir"], ("sync", "dir"), "weights folder")
+    engine = data["rollout"]["engine"]
+    if engine["type"] == "sglang":
+        if engine["extra_args"]:
+            problems.append(
+                _problem(("rollout", "engine", "extra_args"), "extra SGLang flags are not accepted over the API")
+            )
+        if engine["log_dir"] is not None:
+            engine["log_dir"] = confined(runs, engine["log_dir"], ("rollout", "engine", "log_dir"), "log folder")
+    problems.extend(_check_reward(spec.rollout.reward, settings))
+    demand = job_demand(spec)
+    if demand > settings.cpus:
+        problems.append(
+            _problem(("ray",), f"the job reserves {demand:g} CPUs; this server runs jobs on {settings.cpus:g}")
+        )
+    data.pop("store", None)
+    return JobSpec.model_validate(data), problems
+
+
+def _check_reward(reward: str, settings: ServerSettings) -> list[Problem]:
+    from miles_rollout.rewards import registered_rewards
+
+    if reward in registered_rewards():
+        return []
+    module = reward.partition(":")[0] if ":" in reward else reward.rpartition(".")[0]
+    allowed = any(module == m or module.startswith(m + ".") for m in settings.plugin_modules)
+    if not allowed:
+        names = ", ".join(registered_rewards())
+        extra = f"; or a function of {', '.join(settings.plugin_modules)}" if settings.plugin_modules else ""
+        return [_problem(("rollout", "reward"), f"unknown reward {reward!r}: use one of {names}{extra}")]
+    try:
+        from miles_rollout.rewards import resolve_reward
+
+        resolve_reward(reward)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
+        return [_problem(("rollout", "reward"), str(exc))]
+    return []

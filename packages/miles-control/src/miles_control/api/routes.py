@@ -1,0 +1,319 @@
+"""Routes under /api/v1/jobs. Operation ids are the function names: stable, for typed clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path as FilePath
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+
+from miles_control.api.auth import AdminToken, ReadToken
+from miles_control.api.policy import check_spec
+from miles_control.api.schemas import (
+    AttemptPublic,
+    CheckpointPublic,
+    EventPublic,
+    JobCreate,
+    JobDetail,
+    JobPage,
+    JobPublic,
+    MetricPoint,
+    SamplePublic,
+    ScheduleChangePublic,
+    SchedulePatch,
+    SpanPublic,
+    StepPublic,
+)
+from miles_control.config import LIVE_SCHEDULE_FIELDS, ScheduleConfig
+from miles_control.spec import format_validation_error
+from miles_control.store import ACTIVE, FINAL, InvalidTransition, Job, JobNotFound, JobStatus, Store
+
+router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
+
+JobId = Annotated[int, Path(ge=1, le=2**31 - 1, description="The job's id.")]
+StepBound = Annotated[int | None, Query(ge=0, le=2**31 - 1)]
+Text = Annotated[str | None, Query(max_length=200, pattern=r"^[^\x00]*$")]
+STATUSES = [s.value for s in JobStatus]
+
+
+def _store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def _job(store: Store, job_id: int) -> Job:
+    try:
+        return store.job(job_id)
+    except JobNotFound:
+        raise HTTPException(404, f"no job {job_id}") from None
+
+
+def _public(job: Job, last_step: int | None) -> dict:
+    spec = job.spec or {}
+    schedule = spec.get("schedule", {})
+    return dict(
+        JobPublic.model_validate(
+            {
+                **{k: getattr(job, k) for k in JobPublic.model_fields if hasattr(job, k)},
+                "schedule": schedule.get("type", "sync"),
+                "num_steps": schedule.get("num_steps", 0),
+                "last_step": last_step,
+                "resumable": job.status in (JobStatus.FAILED.value, JobStatus.CANCELLED.value),
+            }
+        )
+    )
+
+
+def _detail(store: Store, job: Job) -> JobDetail:
+    return JobDetail(
+        **_public(job, store.last_step(job.id)),
+        spec=job.spec,
+        attempts=[AttemptPublic.model_validate(a) for a in store.attempts(job.id)],
+        checkpoints=[CheckpointPublic.model_validate(c) for c in store.checkpoints(job.id)],
+    )
+
+
+@router.post("", status_code=201, response_model=JobDetail, summary="Create a job (queued; launched when CPUs free)")
+def create_job(body: JobCreate, request: Request, _: AdminToken) -> JobDetail:
+    spec, problems = check_spec(body.spec, request.app.state.settings)
+    if problems:
+        raise HTTPException(422, problems)
+    store = _store(request)
+    job_id = store.create_job(spec.name, spec.model_dump(mode="json", exclude={"store"}), source="api")
+    return _detail(store, store.job(job_id))
+
+
+@router.get("", response_model=JobPage, summary="List jobs, newest first")
+def list_jobs(
+    request: Request,
+    _: ReadToken,
+    status: Annotated[list[str] | None, Query(description=f"One or more of {', '.join(STATUSES)}.")] = None,
+    name: Annotated[Text, Query(description="Jobs whose name contains this.")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+) -> JobPage:
+    for value in status or []:
+        if value not in STATUSES:
+            raise HTTPException(422, f"status {value!r} is not one of {', '.join(STATUSES)}")
+    store = _store(request)
+    jobs, total = store.jobs(status=status, name=name, limit=limit, offset=offset)
+    last = store.last_steps([j.id for j in jobs])
+    return JobPage(items=[_public(j, last.get(j.id)) for j in jobs], total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}", response_model=JobDetail, summary="A job with its spec, attempts and checkpoints")
+def get_job(job_id: JobId, request: Request, _: ReadToken) -> JobDetail:
+    store = _store(request)
+    return _detail(store, _job(store, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobDetail, summary="Cancel a queued, starting or running job")
+def cancel_job(job_id: JobId, request: Request, _: AdminToken) -> JobDetail:
+    store = _store(request)
+    _job(store, job_id)
+    try:
+        store.request_cancel(job_id)
+    except InvalidTransition as exc:
+        raise HTTPException(409, str(exc)) from None
+    return _detail(store, store.job(job_id))
+
+
+@router.post("/{job_id}/resume", response_model=JobDetail, summary="Queue a failed or cancelled job again")
+def resume_job(job_id: JobId, request: Request, _: AdminToken) -> JobDetail:
+    """The next attempt starts after the job's last checkpoint (from scratch when it has none)."""
+    store = _store(request)
+    _job(store, job_id)
+    try:
+        store.resume(job_id)
+    except InvalidTransition as exc:
+        raise HTTPException(409, str(exc)) from None
+    return _detail(store, store.job(job_id))
+
+
+@router.patch(
+    "/{job_id}/schedule", status_code=202, response_model=ScheduleChangePublic, summary="Change live schedule fields"
+)
+def patch_schedule(job_id: JobId, body: SchedulePatch, request: Request, _: AdminToken) -> ScheduleChangePublic:
+    """Applied at the job's next step boundary and recorded (see `list_schedule_changes` and the events)."""
+    store = _store(request)
+    job = _job(store, job_id)
+    if JobStatus(job.status) not in ACTIVE:
+        raise HTTPException(409, f"job {job_id} is {job.status}; only an active job's schedule can change")
+    patch = body.model_dump(exclude_none=True)
+    if not patch:
+        raise HTTPException(422, f"give at least one of {', '.join(LIVE_SCHEDULE_FIELDS)}")
+    try:  # the patched schedule must still be valid (e.g. max_staleness vs update_weights_interval)
+        ScheduleConfig.model_validate({**job.spec.get("schedule", {}), **patch})
+    except ValidationError as exc:
+        raise HTTPException(422, "; ".join(format_validation_error(exc))) from None
+    change_id = store.request_schedule_change(job_id, patch)
+    return ScheduleChangePublic.model_validate(next(c for c in store.schedule_changes(job_id) if c.id == change_id))
+
+
+@router.get("/{job_id}/schedule-changes", response_model=list[ScheduleChangePublic])
+def list_schedule_changes(job_id: JobId, request: Request, _: ReadToken) -> list[ScheduleChangePublic]:
+    store = _store(request)
+    _job(store, job_id)
+    return [ScheduleChangePublic.model_validate(c) for c in store.schedule_changes(job_id)]
+
+
+@router.get("/{job_id}/metrics", response_model=list[MetricPoint], summary="Metric points by name and step range")
+def get_metrics(
+    job_id: JobId,
+    request: Request,
+    _: ReadToken,
+    name: Annotated[list[str] | None, Query(description="Metric names, e.g. eval/accuracy; all when omitted.")] = None,
+    step_min: StepBound = None,
+    step_max: StepBound = None,
+) -> list[MetricPoint]:
+    store = _store(request)
+    _job(store, job_id)
+    if any(len(n) > 200 or "\x00" in n for n in name or []):
+        raise HTTPException(422, "name: at most 200 characters, no NUL")
+    return [MetricPoint.model_validate(m) for m in store.metrics(job_id, name, step_min, step_max)]
+
+
+@router.get("/{job_id}/metric-names", response_model=list[str])
+def list_metric_names(job_id: JobId, request: Request, _: ReadToken) -> list[str]:
+    store = _store(request)
+    _job(store, job_id)
+    return store.metric_names(job_id)
+
+
+@router.get("/{job_id}/spans", response_model=list[SpanPublic], summary="Per-stage timing spans")
+def get_spans(
+    job_id: JobId,
+    request: Request,
+    _: ReadToken,
+    stage: Text = None,
+    step_min: StepBound = None,
+    step_max: StepBound = None,
+) -> list[SpanPublic]:
+    store = _store(request)
+    _job(store, job_id)
+    return [SpanPublic.model_validate(s) for s in store.spans(job_id, stage, step_min, step_max)]
+
+
+@router.get("/{job_id}/steps", response_model=list[StepPublic])
+def get_steps(job_id: JobId, request: Request, _: ReadToken) -> list[StepPublic]:
+    store = _store(request)
+    _job(store, job_id)
+    return [StepPublic.model_validate(s) for s in store.steps(job_id)]
+
+
+@router.get("/{job_id}/events", response_model=list[EventPublic])
+def get_events(
+    job_id: JobId,
+    request: Request,
+    _: ReadToken,
+    after_id: Annotated[int, Query(ge=0, le=2**63 - 1, description="Only events with a larger id.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[EventPublic]:
+    store = _store(request)
+    _job(store, job_id)
+    return [EventPublic.model_validate(e) for e in store.events(job_id, after_id, limit)]
+
+
+@router.get(
+    "/{job_id}/events/stream",
+    summary="Events as server-sent events; ends once the job is final",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def stream_events(
+    job_id: JobId,
+    request: Request,
+    _: ReadToken,
+    after_id: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
+) -> StreamingResponse:
+    """Each event: `id:` (send it back as `Last-Event-ID` to continue), `event:` (its kind), `data:` (JSON)."""
+    store = _store(request)
+    await run_in_threadpool(_job, store, job_id)
+    last_header = request.headers.get("last-event-id", "")
+    last_id = int(last_header) if last_header.isdigit() else after_id
+    poll_s = request.app.state.settings.poll_interval_s / 2
+
+    async def events():
+        nonlocal last_id
+        idle = 0.0
+        while not await request.is_disconnected():
+            batch = await run_in_threadpool(store.events, job_id, last_id, 500)
+            for e in batch:
+                data = EventPublic.model_validate(e).model_dump(mode="json")
+                yield f"id: {e.id}\nevent: {e.kind}\ndata: {json.dumps(data)}\n\n"
+                last_id = e.id
+            if not batch:
+                job = await run_in_threadpool(store.job, job_id)
+                if JobStatus(job.status) in FINAL:
+                    yield f"event: end\ndata: {json.dumps({'status': job.status})}\n\n"
+                    return
+                idle += poll_s
+                if idle >= 15:
+                    idle = 0.0
+                    yield ": keep-alive\n\n"
+                await asyncio.sleep(poll_s)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/{job_id}/samples", response_model=list[SamplePublic], summary="A few generations per step, as text")
+def get_samples(
+    job_id: JobId,
+    request: Request,
+    _: ReadToken,
+    step: StepBound = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[SamplePublic]:
+    store = _store(request)
+    _job(store, job_id)
+    return [SamplePublic.model_validate(s) for s in store.samples(job_id, step, limit)]
+
+
+@router.get("/{job_id}/attempts", response_model=list[AttemptPublic])
+def list_attempts(job_id: JobId, request: Request, _: ReadToken) -> list[AttemptPublic]:
+    store = _store(request)
+    _job(store, job_id)
+    return [AttemptPublic.model_validate(a) for a in store.attempts(job_id)]
+
+
+@router.get("/{job_id}/checkpoints", response_model=list[CheckpointPublic])
+def list_checkpoints(job_id: JobId, request: Request, _: ReadToken) -> list[CheckpointPublic]:
+    store = _store(request)
+    _job(store, job_id)
+    return [CheckpointPublic.model_validate(c) for c in store.checkpoints(job_id)]
+
+
+@router.get(
+    "/{job_id}/logs",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {}}}},
+    summary="The tail of an attempt's driver log",
+)
+def get_logs(
+    job_id: JobId,
+    request: Request,
+    _: ReadToken,
+    attempt: Annotated[
+        int | None, Query(ge=1, le=2**31 - 1, description="Attempt number; the last one if omitted.")
+    ] = None,
+    tail_bytes: Annotated[int, Query(ge=1, le=16 << 20)] = 64 << 10,
+) -> PlainTextResponse:
+    store = _store(request)
+    _job(store, job_id)
+    attempts = store.attempts(job_id)
+    chosen = [a for a in attempts if attempt is None or a.number == attempt]
+    if not chosen:
+        raise HTTPException(
+            404, f"job {job_id} has no attempt {attempt}" if attempt else f"job {job_id} has no attempt yet"
+        )
+    path = chosen[-1].log_path
+    if not path or not FilePath(path).exists():
+        raise HTTPException(404, f"attempt {chosen[-1].number} of job {job_id} has no log on this server")
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        f.seek(max(0, f.tell() - tail_bytes))
+        return PlainTextResponse(f.read().decode("utf-8", errors="replace"))

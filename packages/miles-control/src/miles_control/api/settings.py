@@ -1,0 +1,52 @@
+"""Settings of the API server, from the environment (`MILES_*`) or `miles serve` options."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServerSettings(BaseSettings):
+    """Where the server keeps state, which paths job specs may name, and how it launches jobs."""
+
+    model_config = SettingsConfigDict(env_prefix="MILES_", extra="ignore")
+
+    store_url: str = Field("sqlite:///.miles/miles.db", description="SQLAlchemy URL of the job store.")
+    data_dir: Path = Field(Path(".miles"), description="Server state: driver logs, run folders, the local Ray.")
+    data_root: Path = Field(Path("data"), description="Prompt files named by job specs must lie under it.")
+    model_root: Path = Field(Path("models"), description="Model folders named by job specs must lie under it.")
+    plugin_modules: list[str] = Field(
+        default_factory=list,
+        description="Installed modules (and their submodules) whose functions specs may name as rewards by "
+        "dotted path. Empty: only registered reward names.",
+    )
+    launcher: Literal["local", "ray_job", "off"] = Field(
+        "local",
+        description="local: a driver process per job on this machine, joined to the local Ray instance; ray_job: "
+        "Ray's job submission API at `ray_address`; off: jobs stay queued (tests, read-only replicas).",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="local: an existing Ray instance (GCS address) instead of one started on demand; "
+        "ray_job: the cluster's dashboard URL, e.g. http://head:8265.",
+    )
+    cpus: float = Field(
+        default_factory=lambda: float(os.cpu_count() or 1),
+        gt=0,
+        description="CPUs jobs may use at once; a job waits in the queue until its share is free.",
+    )
+    max_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413.")
+    poll_interval_s: float = Field(1.0, gt=0, description="How often the launcher looks at the queue.")
+    cancel_grace_s: float = Field(60.0, gt=0, description="After SIGTERM, how long a driver has before SIGKILL.")
+
+    @property
+    def runs_root(self) -> Path:
+        return (self.data_dir / "runs").resolve()
+
+    @property
+    def logs_root(self) -> Path:
+        return (self.data_dir / "logs").resolve()

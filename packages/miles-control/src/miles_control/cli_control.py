@@ -1,0 +1,224 @@
+"""`miles serve`, `miles jobs …` (a client of the REST API) and `miles tokens …` (on the store)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+out = Console()
+
+DEFAULT_API = "http://127.0.0.1:8420"
+ApiUrl = Annotated[str, typer.Option("--api", envvar="MILES_API_URL", help="Base URL of `miles serve`.")]
+Token = Annotated[str, typer.Option("--token", envvar="MILES_TOKEN", help="Bearer token (`miles tokens create`).")]
+StoreUrl = Annotated[str, typer.Option("--store", envvar="MILES_STORE_URL", help="SQLAlchemy URL of the job store.")]
+
+
+def _fail(message: str, code: int = 1) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8420,
+    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the job store [env MILES_STORE_URL].")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Server state: logs, runs, local Ray [MILES_DATA_DIR].")] = None,
+    data_root: Annotated[Path | None, typer.Option(help="Prompt files must lie under it [MILES_DATA_ROOT].")] = None,
+    model_root: Annotated[Path | None, typer.Option(help="Model folders must lie under it [MILES_MODEL_ROOT].")] = None,
+    launcher: Annotated[str | None, typer.Option(help="local | ray_job | off [MILES_LAUNCHER].")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Ray instance or dashboard URL [MILES_RAY_ADDRESS].")] = None,
+    cpus: Annotated[float | None, typer.Option(help="CPUs jobs may use at once [MILES_CPUS].")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Run the REST API (and the launcher that starts queued jobs). Docs at /docs, spec at /openapi.json."""
+    import logging
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from miles_control.api.app import create_app
+    from miles_control.api.settings import ServerSettings
+
+    given = dict(
+        store_url=store, data_dir=data_dir, data_root=data_root, model_root=model_root,
+        launcher=launcher, ray_address=ray_address, cpus=cpus,
+    )  # fmt: skip
+    try:
+        settings = ServerSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        for err in exc.errors():
+            console.print(f"[bold red]error:[/] {'.'.join(map(str, err['loc']))}: {err['msg']}", highlight=False)
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    console.print(f"Miles API on http://{host}:{port} (store {settings.store_url}, launcher {settings.launcher})")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+
+
+# --- jobs: a client of the API ------------------------------------------------------------------
+jobs_app = typer.Typer(help="Jobs of a running `miles serve`, over its REST API.", no_args_is_help=True)
+
+
+def _call(method: str, api: str, token: str, path: str, **kwargs: Any) -> Any:
+    import httpx
+
+    if not token:
+        _fail("no token: pass --token or set MILES_TOKEN (create one with `miles tokens create`)", 2)
+    try:
+        response = httpx.request(
+            method,
+            f"{api.rstrip('/')}/api/v1{path}",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+            **kwargs,
+        )
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach the Miles API at {api} ({type(exc).__name__}); is `miles serve` running?")
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail")
+        except ValueError:
+            detail = response.text
+        if isinstance(detail, list):
+            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
+        _fail(f"{response.status_code}: {detail}")
+    return response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text
+
+
+@jobs_app.command("list")
+def jobs_list(
+    api: ApiUrl = DEFAULT_API,
+    token: Token = "",
+    status: Annotated[list[str], typer.Option(help="Only these statuses (repeatable).")] = [],  # noqa: B006
+    limit: Annotated[int, typer.Option(min=1, max=500)] = 20,
+) -> None:
+    """Newest jobs first."""
+    page = _call("GET", api, token, "/jobs", params={"status": status, "limit": limit})
+    table = Table(title=f"{len(page['items'])} of {page['total']} jobs")
+    for col in ("id", "name", "status", "schedule", "step", "created"):
+        table.add_column(col)
+    for job in page["items"]:
+        step = f"{job['last_step'] or 0}/{job['num_steps']}"
+        table.add_row(str(job["id"]), job["name"], job["status"], job["schedule"], step, job["created_at"][:19])
+    out.print(table)
+
+
+@jobs_app.command("show")
+def jobs_show(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None:
+    """Status, attempts, checkpoints and the newest metrics of a job."""
+    job = _call("GET", api, token, f"/jobs/{job_id}")
+    out.print(f"[bold]job {job['id']}[/] {job['name']}: [bold]{job['status']}[/] ({job['schedule']}, "
+              f"step {job['last_step'] or 0}/{job['num_steps']})")  # fmt: skip
+    if job["error"]:
+        out.print(f"error: {job['error']}", highlight=False)
+    for a in job["attempts"]:
+        where = f"pid {a['driver_pid']} on {a['driver_host']}" if a["driver_pid"] else a["submission_id"] or ""
+        out.print(f"attempt {a['number']} ({a['launcher']}, from step {a['resume_step']}): {a['status']} {where} "
+                  f"{a['exit_reason'] or ''}", highlight=False)  # fmt: skip
+    if job["checkpoints"]:
+        out.print(f"checkpoints at steps {', '.join(str(c['step']) for c in job['checkpoints'])}")
+    metrics = _call("GET", api, token, f"/jobs/{job_id}/metrics")
+    latest: dict[str, tuple[int, float]] = {}
+    for point in metrics:
+        latest[point["name"]] = (point["step"], point["value"])
+    if latest:
+        table = Table(title="newest value of each metric")
+        for col in ("metric", "step", "value"):
+            table.add_column(col)
+        for name, (step, value) in sorted(latest.items()):
+            table.add_row(name, str(step), f"{value:.4g}")
+        out.print(table)
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None:
+    """Cancel a queued job at once, or stop a running one (its driver gets SIGTERM)."""
+    job = _call("POST", api, token, f"/jobs/{job_id}/cancel")
+    out.print(f"job {job_id}: {job['status']}" + (" (cancel requested)" if job["status"] != "cancelled" else ""))
+
+
+@jobs_app.command("resume")
+def jobs_resume(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None:
+    """Queue a failed or cancelled job again; it starts after its last checkpoint."""
+    job = _call("POST", api, token, f"/jobs/{job_id}/resume")
+    last = job["checkpoints"][-1]["step"] if job["checkpoints"] else 0
+    out.print(f"job {job_id}: {job['status']} (resumes after step {last})")
+
+
+@jobs_app.command("logs")
+def jobs_logs(
+    job_id: int,
+    api: ApiUrl = DEFAULT_API,
+    token: Token = "",
+    attempt: Annotated[int | None, typer.Option(help="Attempt number (default: the last).")] = None,
+    tail: Annotated[int, typer.Option(help="Bytes from the end.")] = 64 << 10,
+) -> None:
+    """The driver log of an attempt."""
+    params: dict[str, Any] = {"tail_bytes": tail}
+    if attempt is not None:
+        params["attempt"] = attempt
+    text = _call("GET", api, token, f"/jobs/{job_id}/logs", params=params)
+    out.print(text, markup=False, highlight=False, end="")
+
+
+# --- tokens: directly on the store (who runs this can read the database anyway) -----------------
+tokens_app = typer.Typer(help="Bearer tokens of the REST API, stored hashed.", no_args_is_help=True)
+DEFAULT_STORE = os.environ.get("MILES_STORE_URL", "sqlite:///.miles/miles.db")
+
+
+@tokens_app.command("create")
+def tokens_create(
+    name: Annotated[str, typer.Option(help="Who or what uses the token.")],
+    scope: Annotated[str, typer.Option(help="read (GET only) or admin (also creates, cancels, patches).")] = "read",
+    store: StoreUrl = DEFAULT_STORE,
+) -> None:
+    """Create a token and print it once (only its hash is stored)."""
+    from miles_control.store import Store
+    from miles_control.store.tokens import create_token
+
+    try:
+        row, token = create_token(Store(store), name, scope)  # type: ignore[arg-type]
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    console.print(f"token {row.id} ({row.name}, {row.scope}); shown once, keep it:")
+    print(token)
+
+
+@tokens_app.command("list")
+def tokens_list(
+    store: StoreUrl = DEFAULT_STORE, all_: Annotated[bool, typer.Option("--all", help="Include revoked.")] = False
+) -> None:
+    from miles_control.store import Store
+    from miles_control.store.tokens import list_tokens
+
+    table = Table()
+    for col in ("id", "name", "scope", "prefix", "created", "last used", "revoked"):
+        table.add_column(col)
+    for t in list_tokens(Store(store), include_revoked=all_):
+        when = [str(x)[:19] if x else "-" for x in (t.created_at, t.last_used_at, t.revoked_at)]
+        table.add_row(str(t.id), t.name, t.scope, t.prefix + "…", *when)
+    out.print(table)
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(token_id: int, store: StoreUrl = DEFAULT_STORE) -> None:
+    """Revoke a token; requests with it get 401 from then on."""
+    from miles_control.store import Store
+    from miles_control.store.tokens import revoke_token
+
+    try:
+        revoke_token(Store(store), token_id)
+    except KeyError as exc:
+        _fail(str(exc.args[0]), 2)
+    console.print(f"token {token_id} revoked")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.add_typer(jobs_app, name="jobs")
+    app.add_typer(tokens_app, name="tokens")

@@ -1,0 +1,62 @@
+"""The driver of one launched job: `python -m miles_control.driver --job-id N --attempt-id M --store URL`.
+
+Started by the API's launcher (a process of this machine, or a Ray job's entrypoint on a cluster). It
+reads the job's spec from the store, joins the given Ray instance and runs the job; SIGTERM cancels it
+(the job row ends `cancelled`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from miles_control.config import JobSpec
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="miles-driver", description=__doc__)
+    parser.add_argument("--job-id", type=int, required=True)
+    parser.add_argument("--attempt-id", type=int, required=True)
+    parser.add_argument("--store", required=True, help="SQLAlchemy URL of the job store")
+    parser.add_argument("--ray-address", default=None, help="Ray instance to join; none starts one")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("miles.driver")
+
+    from miles_control.run import JobCancelled, run_job
+    from miles_control.store import Store
+
+    store = Store(args.store)
+    job = store.job(args.job_id)
+    data = dict(job.spec)
+    data["store"] = {**data.get("store", {}), "url": args.store}
+    data["ray"] = {**data.get("ray", {}), "address": args.ray_address}
+    spec = JobSpec.model_validate(data)
+
+    def on_sigterm(signum, frame):
+        raise JobCancelled(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    log.info("job %d (%s), attempt %d: starting", job.id, job.name, args.attempt_id)
+    try:
+        run_job(
+            spec,
+            on_phase=lambda phase: log.info("job %d: %s", job.id, phase),
+            on_step=lambda step, metrics: log.info("job %d: step %d done", job.id, step),
+            store=store,
+            job_id=job.id,
+            attempt_id=args.attempt_id,
+        )
+    except JobCancelled:
+        log.info("job %d: cancelled", job.id)
+        return 0
+    except Exception:
+        log.exception("job %d failed", job.id)
+        return 1
+    log.info("job %d: succeeded", job.id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
