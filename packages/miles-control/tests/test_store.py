@@ -50,3 +50,98 @@ def test_sqlite_uses_wal_and_survives_reopen(tmp_path):
     Store(url).add_metrics(job, 1, {"x": 1.0})
     assert Store(url).metric_series(job, "x") == [(1, 1.0)]
     assert sqlite3.connect(tmp_path / "m.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# --- the job lifecycle, on SQLite and PostgreSQL -----------------------------------------------------
+from miles_control.store import TRANSITIONS, InvalidTransition, JobNotFound  # noqa: E402
+from miles_control.store.tokens import check_token, create_token, list_tokens, revoke_token  # noqa: E402
+
+
+def job_in(store: Store, status: JobStatus) -> int:
+    """A job brought to `status` along allowed transitions."""
+    path = {
+        JobStatus.QUEUED: [],
+        JobStatus.STARTING: [JobStatus.STARTING],
+        JobStatus.RUNNING: [JobStatus.STARTING, JobStatus.RUNNING],
+        JobStatus.SUCCEEDED: [JobStatus.STARTING, JobStatus.RUNNING, JobStatus.SUCCEEDED],
+        JobStatus.FAILED: [JobStatus.STARTING, JobStatus.FAILED],
+        JobStatus.CANCELLED: [JobStatus.CANCELLED],
+    }[status]
+    job = store.create_job("j", {})
+    for step in path:
+        store.set_status(job, step)
+    return job
+
+
+def test_every_transition_is_allowed_or_refused_by_the_table(store_url):
+    store = Store(store_url)
+    for current in JobStatus:
+        for wanted in JobStatus:
+            job = job_in(store, current)
+            if wanted in TRANSITIONS[current]:
+                store.set_status(job, wanted)
+                assert store.job(job).status == wanted.value
+            else:
+                with pytest.raises(InvalidTransition, match=f"is {current.value}; it cannot become {wanted.value}"):
+                    store.set_status(job, wanted)
+                assert store.job(job).status == current.value  # nothing changed
+    store.engine.dispose()
+
+
+def test_compare_and_set_refuses_a_stale_expectation(store_url):
+    store = Store(store_url)
+    job = job_in(store, JobStatus.QUEUED)
+    store.request_cancel(job)
+    with pytest.raises(InvalidTransition):  # the launcher saw it queued, but it was cancelled meanwhile
+        store.set_status(job, JobStatus.STARTING, expect=JobStatus.QUEUED)
+    store.engine.dispose()
+
+
+def test_cancel_resume_attempts_and_rollback_to_a_checkpoint(store_url):
+    store = Store(store_url)
+    queued = job_in(store, JobStatus.QUEUED)
+    assert store.request_cancel(queued) == "cancelled"
+    assert store.job(queued).error == "cancelled while queued"
+    with pytest.raises(InvalidTransition, match="is cancelled"):
+        store.request_cancel(queued)
+
+    job = job_in(store, JobStatus.RUNNING)
+    first = store.start_attempt(job, "local", driver_pid=123)
+    assert (first.number, first.resume_step) == (1, 0)
+    assert store.request_cancel(job) == "running" and store.job(job).cancel_requested
+    for step in (1, 2, 3):
+        store.add_step(job, step, step, 0.0, 1.0)
+        store.add_metrics(job, step, {"loss": float(step)})
+    store.add_checkpoint(job, 2, 2, "/ckpt/2")
+    store.set_status(job, JobStatus.CANCELLED, error="cancelled")
+    store.end_attempt(first.id, "cancelled")
+    with pytest.raises(InvalidTransition, match="is succeeded"):
+        store.resume(job_in(store, JobStatus.SUCCEEDED))
+    assert store.resume(job) == 2
+    row = store.job(job)
+    assert (row.status, row.error, row.cancel_requested, row.finished_at) == ("queued", None, False, None)
+    second = store.start_attempt(job, "local")
+    assert (second.number, second.resume_step) == (2, 2)
+    assert store.discard_from(job, 3) == 2  # step 3's step row and metric
+    assert [s.step for s in store.steps(job)] == [1, 2] and store.metric_series(job, "loss") == [(1, 1.0), (2, 2.0)]
+    assert [a.number for a in store.attempts(job, live_only=True)] == [2]
+    with pytest.raises(JobNotFound, match="no job 999"):
+        store.request_cancel(999)
+    store.engine.dispose()
+
+
+def test_tokens_are_stored_hashed_and_can_be_revoked(store_url):
+    store = Store(store_url)
+    row, token = create_token(store, "ci", "read")
+    assert token.startswith("miles_") and len(token) > 40
+    with store.engine.connect() as conn:  # the secret itself is nowhere in the database
+        dump = " ".join(str(v) for r in conn.exec_driver_sql("SELECT * FROM api_tokens") for v in r)
+    assert token not in dump and row.token_hash in dump
+    assert check_token(store, token).scope == "read"
+    assert check_token(store, token + "x") is None
+    with pytest.raises(ValueError, match="scope must be one of read, admin"):
+        create_token(store, "x", "root")
+    revoke_token(store, row.id)
+    assert check_token(store, token) is None
+    assert list_tokens(store) == [] and [t.name for t in list_tokens(store, include_revoked=True)] == ["ci"]
+    store.engine.dispose()

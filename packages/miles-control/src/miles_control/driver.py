@@ -1,8 +1,9 @@
 """The driver of one launched job: `python -m miles_control.driver --job-id N --attempt-id M --store URL`.
 
 Started by the API's launcher (a process of this machine, or a Ray job's entrypoint on a cluster). It
-reads the job's spec from the store, joins the given Ray instance and runs the job; SIGTERM cancels it
-(the job row ends `cancelled`)."""
+reads the job's spec from the store, joins the given Ray instance and runs the job. It stops before its
+next step when the job's `cancel_requested` flag is set (the API's cancel) or on SIGINT; the job then
+ends `cancelled`. (Ray's own handler owns SIGTERM in a driver once it is initialised.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("miles.driver")
 
-    from miles_control.run import JobCancelled, run_job
+    from miles_control.run import run_job
+    from miles_control.schedules.control import STOP_REQUESTED, JobCancelled
     from miles_control.store import Store
 
     store = Store(args.store)
@@ -34,10 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     data["ray"] = {**data.get("ray", {}), "address": args.ray_address}
     spec = JobSpec.model_validate(data)
 
-    def on_sigterm(signum, frame):
-        raise JobCancelled(f"signal {signum}")
+    def on_signal(signum, frame):
+        log.info("job %d: %s: stopping before the next step", job.id, signal.Signals(signum).name)
+        STOP_REQUESTED.set()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, on_signal)
     log.info("job %d (%s), attempt %d: starting", job.id, job.name, args.attempt_id)
     try:
         run_job(
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             job_id=job.id,
             attempt_id=args.attempt_id,
         )
-    except JobCancelled:
+    except (JobCancelled, KeyboardInterrupt):
         log.info("job %d: cancelled", job.id)
         return 0
     except Exception:

@@ -16,16 +16,13 @@ from pathlib import Path
 
 from miles_control.config import JobSpec
 from miles_control.recorder import Recorder
+from miles_control.schedules.control import JobCancelled
 from miles_control.store import InvalidTransition, JobStatus, Store
 
 log = logging.getLogger(__name__)
 
 PhaseCallback = Callable[[str], None]
 StepCallback = Callable[[int, dict[str, float]], None]
-
-
-class JobCancelled(Exception):
-    """Raised in a driver on SIGTERM: the job was cancelled (or its driver is being stopped)."""
 
 
 def _finish(store: Store, job_id: int, status: JobStatus, error: str | None = None) -> None:
@@ -79,6 +76,10 @@ def run_job(
         recorder.event("run_dir", f"run folder {run_dir}", path=str(run_dir))
         runtime = JobRuntime(spec, model_path, recorder, train_prompts, eval_prompts, run_dir)
         first_step = 1
+        if attempt.number > 1:  # a resume: roll the records back to the checkpoint, then redo from there
+            deleted = store.discard_from(job_id, attempt.resume_step + 1 if attempt.resume_step else 0)
+            recorder.event("resume", f"attempt {attempt.number}: records after step {attempt.resume_step} discarded "
+                           f"({deleted} rows); they are redone", step=attempt.resume_step)  # fmt: skip
         if attempt.resume_step:
             checkpoint = next(c for c in store.checkpoints(job_id) if c.step == attempt.resume_step)
             runtime.restore(Path(checkpoint.path), checkpoint.step)

@@ -149,7 +149,10 @@ class LocalDriver:
             pass
 
     def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
+        try:  # the driver stops before its next step (SIGTERM belongs to Ray's handler in a driver)
+            os.kill(self.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
 
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
@@ -187,7 +190,7 @@ class RayJobDriver:
         return f"Ray job {self.submission_id} {info.status.value}: {info.message or ''}".strip()
 
     def terminate(self) -> None:
-        self.client.stop_job(self.submission_id)
+        """Nothing to send: the driver sees its job's cancel flag before its next step."""
 
     def kill(self) -> None:
         self.client.stop_job(self.submission_id)
@@ -200,7 +203,7 @@ class Launcher:
         self.store, self.settings = store, settings
         self.ray = LocalRay(settings)
         self.drivers: dict[int, Driver] = {}  # attempt id → driver
-        self._term_sent: dict[int, float] = {}  # attempt id → when SIGTERM was sent
+        self._term_sent: dict[int, float] = {}  # attempt id → when the cancel was sent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="miles-launcher", daemon=True)
         self.last_error: str | None = None
@@ -292,7 +295,7 @@ class Launcher:
                 driver.terminate()
                 self._term_sent[attempt_id] = now
             elif now - sent > self.settings.cancel_grace_s:
-                log.warning("job %d: driver ignored SIGTERM for %.0fs; killing it", attempt.job_id, now - sent)
+                log.warning("job %d: driver still runs %.0fs after the cancel; killing it", attempt.job_id, now - sent)
                 driver.kill()
 
     def used_cpus(self) -> float:

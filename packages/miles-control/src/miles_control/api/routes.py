@@ -210,7 +210,7 @@ def get_events(
     job_id: JobId,
     request: Request,
     _: ReadToken,
-    after_id: Annotated[int, Query(ge=0, le=2**63 - 1, description="Only events with a larger id.")] = 0,
+    after_id: Annotated[int, Query(ge=0, le=2**31 - 1, description="Only events with a larger id.")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[EventPublic]:
     store = _store(request)
@@ -228,7 +228,7 @@ async def stream_events(
     job_id: JobId,
     request: Request,
     _: ReadToken,
-    after_id: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
+    after_id: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> StreamingResponse:
     """Each event: `id:` (send it back as `Last-Event-ID` to continue), `event:` (its kind), `data:` (JSON)."""
     store = _store(request)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from miles_control.config import JobSpec
 
@@ -18,8 +18,36 @@ class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+def unstorable_text(value: Any, where: str = "spec") -> str | None:
+    """The first string under `value` that no database can store (NUL, lone surrogates), by its path."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return f"{where}: NUL characters are not allowed"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{where}: not valid Unicode text (lone surrogate)"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            problem = unstorable_text(key, f"{where} (a key)") or unstorable_text(item, f"{where}.{key}")
+            if problem:
+                return problem
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if problem := unstorable_text(item, f"{where}.{i}"):
+                return problem
+    return None
+
+
 class JobCreate(_In):
     spec: JobSpec = Field(description="The job spec, as in a YAML file for `miles run` (without `store`).")
+
+    @field_validator("spec", mode="before")
+    @classmethod
+    def _storable(cls, value: Any) -> Any:
+        if problem := unstorable_text(value):
+            raise ValueError(problem)
+        return value
 
 
 class SchedulePatch(_In):

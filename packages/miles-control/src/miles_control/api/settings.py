@@ -41,7 +41,9 @@ class ServerSettings(BaseSettings):
     )
     max_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413.")
     poll_interval_s: float = Field(1.0, gt=0, description="How often the launcher looks at the queue.")
-    cancel_grace_s: float = Field(60.0, gt=0, description="After SIGTERM, how long a driver has before SIGKILL.")
+    cancel_grace_s: float = Field(
+        60.0, gt=0, description="After a cancel, how long a driver has to stop before it is killed."
+    )
 
     @property
     def runs_root(self) -> Path:

@@ -90,6 +90,9 @@ class TrainerWorker:
     def save(self, directory: str) -> None:
         self.backend.save(directory)
 
+    def load(self, directory: str) -> None:
+        self.backend.load(directory)
+
     def shutdown(self) -> None:
         if self.sender is not None:
             self.sender.close()

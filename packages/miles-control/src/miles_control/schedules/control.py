@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from pydantic import ValidationError
 
 from miles_control.config import LIVE_SCHEDULE_FIELDS, ScheduleConfig
 from miles_control.recorder import Recorder
+
+
+class JobCancelled(Exception):
+    """The job was cancelled (its `cancel_requested` flag, or a signal to its driver)."""
+
+
+# Set by a driver's SIGINT handler. A handler must not raise: inside a Ray call the exception would
+# surface as a SystemError; the loop stops at its next step boundary instead.
+STOP_REQUESTED = threading.Event()
 
 
 class LiveSchedule:
@@ -23,8 +33,12 @@ class LiveSchedule:
         self.recorder = recorder
 
     def apply_pending(self, step: int) -> list[dict[str, Any]]:
-        """Apply every queued change before `step` runs; returns the applied patches."""
+        """Apply every queued change before `step` runs; returns the applied patches.
+
+        Also where a cancelled job stops: a cancel requested through the API ends it before `step`."""
         store, job_id = self.recorder.store, self.recorder.job_id
+        if STOP_REQUESTED.is_set() or store.job(job_id).cancel_requested:
+            raise JobCancelled(f"cancel requested; stopped before step {step}")
         applied = []
         for change in store.pending_schedule_changes(job_id):
             problem = self._check(change.patch)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, event, func, select, update
+from sqlalchemy import create_engine, delete, event, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -169,6 +169,16 @@ class Store:
 
     def end_attempt(self, attempt_id: int, reason: str) -> None:
         self.update_attempt(attempt_id, status="ended", exit_reason=reason, ended_at=utcnow())
+
+    def discard_from(self, job_id: int, step: int) -> int:
+        """Delete what steps ≥ `step` recorded (steps, spans, metrics, samples): a resumed attempt redoes them
+        from its checkpoint. Events stay (they tell what happened). Returns the number of rows deleted."""
+        deleted = 0
+        with self.session() as s, s.begin():
+            for table in (Step, Span, Metric, GenerationSample):
+                result = s.execute(delete(table).where(table.job_id == job_id, table.step >= step))
+                deleted += result.rowcount or 0
+        return deleted
 
     # --- what runs record ---------------------------------------------------------------------
     def add_step(self, job_id: int, step: int, weight_version: int, started_at: float, ended_at: float) -> None:

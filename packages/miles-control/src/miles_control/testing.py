@@ -1,0 +1,105 @@
+"""Helpers for tests and benchmarks of the control plane: a throw-away PostgreSQL database and an API
+server process on loopback. Used by the test suites and `bench/api_latency.py`; not needed at run time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from sqlalchemy.engine import make_url
+
+PG_ENV = "MILES_TEST_PG_URL"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def fresh_pg_database(base_url: str) -> Iterator[str]:
+    """A new, empty database next to `base_url`'s (its role needs CREATEDB); dropped afterwards."""
+    import psycopg
+
+    url = make_url(base_url)
+    name = f"miles_t_{uuid.uuid4().hex[:12]}"
+    admin = dict(host=url.host, port=url.port or 5432, user=url.username, password=url.password, dbname=url.database)
+    with psycopg.connect(**admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(**admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class ApiServer:
+    """`miles serve` as a process of its own (so it can be killed with -9 and started again)."""
+
+    def __init__(self, store_url: str, data_dir: Path, **settings: str) -> None:
+        self.store_url, self.data_dir, self.settings = store_url, Path(data_dir), settings
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = self.data_dir / "serve.log"
+
+    def start(self, timeout: float = 60.0) -> ApiServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "MILES_STORE_URL": self.store_url,
+            "MILES_DATA_DIR": str(self.data_dir / "state"),
+            **{f"MILES_{k.upper()}": v for k, v in self.settings.items()},
+        }
+        cmd = [sys.executable, "-m", "miles_control.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.data_dir)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"miles serve exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/api/v1/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"miles serve did not answer in {timeout}s: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """kill -9: no shutdown code runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def stop_local_ray(data_dir: Path) -> None:
+    """Stop a local Ray instance an API server under `data_dir` started and left behind (after kill -9)."""
+    import json
+
+    state = Path(data_dir) / "state" / "ray.json"
+    if state.exists():
+        pgid = json.loads(state.read_text())["pgid"]
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        state.unlink()

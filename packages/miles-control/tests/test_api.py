@@ -1,0 +1,168 @@
+"""The REST API against a real `miles serve` process on loopback, on SQLite and PostgreSQL.
+
+The launcher is off here (jobs stay queued); launching real jobs is tested in tests/test_control_plane.py."""
+
+import json
+
+import httpx
+
+from miles_control.store import JobStatus
+from miles_control.store.tokens import revoke_token
+
+
+def test_tokens_scopes_and_open_routes(api):
+    assert httpx.get(api.url + "/api/v1/health").json()["status"] == "ok"
+    assert httpx.get(api.url + "/docs").status_code == 200
+    assert httpx.get(api.url + "/openapi.json").status_code == 200
+    r = httpx.get(api.url + "/api/v1/jobs")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["detail"] == "missing bearer token"
+    assert api.get("/api/v1/jobs", headers={"Authorization": "Bearer miles_nope"}).status_code == 401
+    assert api.get("/api/v1/jobs").status_code == 200
+    r = api.post("/api/v1/jobs", headers=api.read, json={"spec": {"name": "x"}})
+    assert r.status_code == 403 and "read-only" in r.json()["detail"]
+    assert httpx.get(api.url + "/metrics").status_code == 401
+    api.create("a")
+    metrics = api.get("/metrics").text
+    assert 'miles_jobs{status="queued"} 1.0' in metrics and "miles_http_requests_total" in metrics
+    revoke_token(api.store, api.read_token_id)
+    r = api.get("/api/v1/jobs")
+    assert r.status_code == 401 and r.json()["detail"] == "invalid or revoked token"
+
+
+def test_create_list_get_and_pagination(api):
+    created = [api.create(name) for name in ("alpha", "beta", "gamma")]
+    assert created[0]["status"] == "queued" and created[0]["source"] == "api"
+    assert created[0]["spec"]["output_dir"].endswith("/state/runs")  # the server's runs folder, absolute
+    assert "store" not in created[0]["spec"]
+    page = api.get("/api/v1/jobs", params={"limit": 2}).json()
+    assert page["total"] == 3 and [j["name"] for j in page["items"]] == ["gamma", "beta"]
+    page = api.get("/api/v1/jobs", params={"limit": 2, "offset": 2}).json()
+    assert [j["name"] for j in page["items"]] == ["alpha"]
+    api.post(f"/api/v1/jobs/{created[1]['id']}/cancel")
+    page = api.get("/api/v1/jobs", params={"status": ["cancelled"]}).json()
+    assert [j["name"] for j in page["items"]] == ["beta"]
+    assert api.get("/api/v1/jobs", params={"name": "amm"}).json()["total"] == 1
+    r = api.get("/api/v1/jobs", params={"status": "sleeping"})
+    assert r.status_code == 422 and "sleeping" in r.text
+    job = api.get(f"/api/v1/jobs/{created[0]['id']}").json()
+    assert job["name"] == "alpha" and job["attempts"] == [] and job["resumable"] is False
+    r = api.get("/api/v1/jobs/999")
+    assert r.status_code == 404 and r.json()["detail"] == "no job 999"
+
+
+def field_errors(response) -> dict[str, str]:
+    assert response.status_code == 422, response.text
+    return {".".join(map(str, e["loc"])): e["msg"] for e in response.json()["detail"]}
+
+
+def test_bad_input_gets_4xx_naming_the_problem(api):
+    r = httpx.post(api.url + "/api/v1/jobs", headers={**api.admin, "content-type": "application/json"}, content=b"{no")
+    assert r.status_code == 422 and "JSON decode error" in r.text
+    assert "body.extra" in field_errors(api.post("/api/v1/jobs", json={"spec": {"name": "x"}, "extra": 1}))
+    errors = field_errors(api.post("/api/v1/jobs", json={"spec": {"name": "x", "rollout": {"bogus": 1}}}))
+    assert "body.spec.rollout.bogus" in errors and "Extra inputs" in errors["body.spec.rollout.bogus"]
+    errors = field_errors(api.post("/api/v1/jobs", json={"spec": {"name": "x", "schedule": {"num_steps": "many"}}}))
+    assert "body.spec.schedule.num_steps" in errors
+    assert "body.spec" in field_errors(api.post("/api/v1/jobs", json={"spec": []}))
+    r = api.post("/api/v1/jobs", json={"spec": {"name": "x" * (2 << 20)}})
+    assert r.status_code == 413 and "over the limit" in r.json()["detail"]
+
+    def policy(spec):
+        return field_errors(api.post("/api/v1/jobs", json={"spec": {"name": "x", **spec}}))
+
+    assert "outside" in policy({"model": {"source": "path", "path": "../../etc"}})["body.spec.model.path"]
+    assert "outside" in policy({"data": {"source": "file", "path": "/etc/passwd"}})["body.spec.data.path"]
+    assert "outside" in policy({"output_dir": "/tmp/elsewhere"})["body.spec.output_dir"]
+    assert "leave `store` out" in policy({"store": {"url": "sqlite:////tmp/other.db"}})["body.spec.store"]
+    assert "leave `ray.address` out" in policy({"ray": {"address": "10.0.0.1:6379"}})["body.spec.ray.address"]
+    assert "unknown reward 'os:system'" in policy({"rollout": {"reward": "os:system"}})["body.spec.rollout.reward"]
+    extra = policy({"rollout": {"engine": {"type": "sglang", "extra_args": ["--model-path", "/"]}}})
+    assert "not accepted" in extra["body.spec.rollout.engine.extra_args"]
+    assert "reserves 9 CPUs" in policy({"train": {"backend": {"world_size": 17}}})["body.spec.ray"]
+    assert api.get("/api/v1/jobs", params={"limit": 0}).status_code == 422
+    assert api.get("/api/v1/jobs/0").status_code == 422
+    assert api.get(f"/api/v1/jobs/{2**40}").status_code == 422
+    assert api.get("/api/v1/jobs", params={"name": "a\x00b"}).status_code == 422
+    assert api.store.jobs()[1] == 0  # nothing was stored by any of these
+
+
+def test_lifecycle_and_schedule_changes(api):
+    job = api.create("life", schedule={"type": "fully_async", "update_weights_interval": 2, "max_staleness": 1})
+    url = f"/api/v1/jobs/{job['id']}"
+    r = api.patch(url + "/schedule", json={"max_staleness": 3, "pause_mode": "retract"})
+    assert r.status_code == 202 and r.json()["status"] == "pending" and r.json()["patch"]["max_staleness"] == 3
+    assert "max_staleness" in api.patch(url + "/schedule", json={"max_staleness": 0}).text  # < interval − 1
+    assert api.patch(url + "/schedule", json={}).status_code == 422
+    assert "body.num_steps" in field_errors(api.patch(url + "/schedule", json={"num_steps": 5}))
+    assert [c["patch"] for c in api.get(url + "/schedule-changes").json()] == [
+        {"max_staleness": 3, "pause_mode": "retract"}
+    ]
+    assert api.post(url + "/cancel").json()["status"] == "cancelled"
+    r = api.post(url + "/cancel")
+    assert r.status_code == 409 and "is cancelled; it cannot become cancelled" in r.json()["detail"]
+    assert api.patch(url + "/schedule", json={"max_staleness": 3}).status_code == 409
+    resumed = api.post(url + "/resume").json()
+    assert resumed["status"] == "queued" and resumed["error"] is None
+    r = api.post(url + "/resume")
+    assert r.status_code == 409 and "is queued" in r.json()["detail"]
+    api.store.set_status(job["id"], JobStatus.STARTING)
+    api.store.set_status(job["id"], JobStatus.RUNNING)
+    running = api.post(url + "/cancel").json()
+    assert running["status"] == "running" and running["cancel_requested"] is True  # the launcher stops it
+    kinds = [e["kind"] for e in api.get(url + "/events").json()]
+    assert kinds.count("status") == 4 and kinds[-1] == "cancel"
+
+
+def test_records_and_the_event_stream(api):
+    job_id = api.create("reads")["id"]
+    store = api.store
+    store.set_status(job_id, JobStatus.STARTING)
+    store.set_status(job_id, JobStatus.RUNNING)
+    for step in (1, 2, 3):
+        store.add_metrics(job_id, step, {"train/loss": 1.0 / step, "eval/accuracy": step / 10})
+        store.add_spans(job_id, [dict(stage="train", step=step, worker="trainer", start=step, end=step + 0.5)])
+        store.add_spans(job_id, [dict(stage="rollout", step=step, worker="rollout-0", start=step, end=step + 0.2)])
+        store.add_step(job_id, step, step, float(step), step + 1.0)
+    store.add_samples(job_id, 2, [dict(prompt="1+1=", response="2", label="2", reward=1.0, status="completed")])
+    url = f"/api/v1/jobs/{job_id}"
+    points = api.get(url + "/metrics", params={"name": "train/loss", "step_min": 2}).json()
+    assert [(p["step"], p["value"]) for p in points] == [(2, 0.5), (3, 1 / 3)]
+    assert api.get(url + "/metric-names").json() == ["eval/accuracy", "train/loss"]
+    spans = api.get(url + "/spans", params={"stage": "train", "step_max": 2}).json()
+    assert [(s["step"], s["end"] - s["start"]) for s in spans] == [(1, 0.5), (2, 0.5)]
+    assert [s["step"] for s in api.get(url + "/steps").json()] == [1, 2, 3]
+    [sample] = api.get(url + "/samples", params={"step": 2}).json()
+    assert sample["response"] == "2" and sample["reward"] == 1.0
+    assert api.get(url).json()["last_step"] == 3
+    events = api.get(url + "/events").json()
+    store.add_event(job_id, "note", "hello", data={"x": 1})
+    store.set_status(job_id, JobStatus.SUCCEEDED)
+    assert [e["kind"] for e in api.get(url + "/events", params={"after_id": events[-1]["id"]}).json()] == [
+        "note",
+        "status",
+    ]
+    # Server-sent events: everything after Last-Event-ID, then `end` because the job is final.
+    with httpx.stream(
+        "GET", api.url + url + "/events/stream", headers={**api.read, "Last-Event-ID": str(events[-1]["id"])}
+    ) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = "".join(r.iter_text())
+    blocks = [b for b in body.strip().split("\n\n") if b]
+    kinds = [next(line for line in b.split("\n") if line.startswith("event: ")) for b in blocks]
+    assert kinds == ["event: note", "event: status", "event: end"]
+    assert json.loads(blocks[0].split("data: ", 1)[1])["data"] == {"x": 1}
+    assert json.loads(blocks[-1].split("data: ", 1)[1]) == {"status": "succeeded"}
+    r = api.get(url + "/logs")
+    assert r.status_code == 404 and "no attempt yet" in r.json()["detail"]
+
+
+def test_operation_ids_are_stable(api):
+    spec = httpx.get(api.url + "/openapi.json").json()
+    ids = sorted(op["operationId"] for path in spec["paths"].values() for op in path.values())
+    assert ids == sorted(
+        """cancel_job create_job get_events get_job get_logs get_metrics get_samples get_spans get_steps health
+        list_attempts list_checkpoints list_jobs list_metric_names list_schedule_changes patch_schedule
+        prometheus_metrics resume_job stream_events""".split()
+    )
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"

@@ -1,0 +1,172 @@
+"""Real jobs through the REST API: launched as drivers on the local Ray instance, queued while CPUs are
+busy, cancelled, resumed from a checkpoint, and surviving kill -9 of the API server."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from miles_control.store import Store
+from miles_control.store.tokens import create_token
+from miles_control.testing import PG_ENV, ApiServer, fresh_pg_database, stop_local_ray
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def small_spec(name: str, num_steps: int, **schedule) -> dict:
+    """The demo's workload (same cached model), made small: the in-process engine, 16 prompts a step."""
+    spec = yaml.safe_load((ROOT / "examples" / "arithmetic.yaml").read_text())
+    spec["name"] = name
+    spec["rollout"]["engine"] = {"type": "hf"}
+    spec["rollout"]["num_prompts_per_step"] = 16
+    spec["rollout"]["eval"] = {"every_steps": 5, "num_prompts": 50}
+    spec["schedule"] = {"type": "sync", "num_steps": num_steps, **schedule}
+    return spec
+
+
+class Client:
+    def __init__(self, server: ApiServer, token: str) -> None:
+        self.server, self.headers = server, {"Authorization": f"Bearer {token}"}
+
+    def call(self, method: str, path: str, **kw):
+        r = httpx.request(method, self.server.url + "/api/v1" + path, headers=self.headers, timeout=30, **kw)
+        assert r.status_code < 400, f"{method} {path}: {r.status_code} {r.text}"
+        return r.json() if r.headers["content-type"].startswith("application/json") else r.text
+
+    def job(self, job_id: int) -> dict:
+        return self.call("GET", f"/jobs/{job_id}")
+
+    def wait(self, job_id: int, until, timeout: float = 300.0, what: str = "") -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            job = self.job(job_id)
+            if until(job):
+                return job
+            if job["status"] in ("failed", "succeeded", "cancelled") and not until(job):
+                logs = self.call("GET", f"/jobs/{job_id}/logs") if job["attempts"] else ""
+                raise AssertionError(
+                    f"job {job_id} ended {job['status']} ({job['error']}) before {what}\n{logs[-3000:]}"
+                )
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} not {what} after {timeout}s: {self.job(job_id)}")
+
+
+@pytest.fixture
+def plane(tmp_path, request):
+    """A store (SQLite, or PostgreSQL when the test is parametrized so), a token, and API servers on it."""
+    servers: list[ApiServer] = []
+    pg = getattr(request, "param", "sqlite") == "postgresql"
+    if pg and not os.environ.get(PG_ENV):
+        pytest.skip(f"PostgreSQL not configured: set {PG_ENV}")
+
+    stores: list[Store] = []
+
+    def run(url: str):
+        store = Store(url)
+        stores.append(store)
+        _, token = create_token(store, "test", "admin")
+
+        def start(**settings) -> Client:
+            settings = {"poll_interval_s": "0.3", "cpus": "1", **settings}
+            server = ApiServer(url, tmp_path, **settings).start()
+            servers.append(server)
+            return Client(server, token)
+
+        return store, start
+
+    try:
+        if pg:
+            with fresh_pg_database(os.environ[PG_ENV]) as url:
+                try:
+                    yield run(url)
+                finally:
+                    for s in servers:
+                        s.stop()
+                    for store in stores:
+                        store.engine.dispose()
+        else:
+            yield run(f"sqlite:///{tmp_path}/miles.db")
+    finally:
+        for s in servers:
+            s.stop()
+        for store in stores:  # a failed test may leave drivers behind: they must not outlive it
+            for attempt in store.attempts(live_only=True):
+                if attempt.driver_pid:
+                    try:
+                        os.killpg(attempt.driver_pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        stop_local_ray(tmp_path)
+
+
+@pytest.mark.parametrize("plane", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True)
+def test_jobs_queue_run_cancel_and_resume_through_the_api(plane):
+    store, start = plane
+    api = start()  # 1 CPU: one job (0.5 trainer + 0.5 rollout) at a time
+    first = api.call("POST", "/jobs", json={"spec": small_spec("long", 40, checkpoint_every=2)})["id"]
+    second = api.call("POST", "/jobs", json={"spec": small_spec("short", 3)})["id"]
+    api.wait(first, lambda j: j["status"] == "running" and (j["last_step"] or 0) >= 3, what="past step 3")
+    assert api.job(second)["status"] == "queued"  # waits for the CPUs of the first
+
+    api.call("POST", f"/jobs/{first}/cancel")
+    cancelled = api.wait(first, lambda j: j["status"] == "cancelled", what="cancelled")
+    assert cancelled["error"] == "cancelled" and cancelled["resumable"]
+    assert cancelled["checkpoints"], "checkpoint_every=2 saved none"
+
+    done = api.wait(second, lambda j: j["status"] == "succeeded", what="succeeded")
+    assert done["last_step"] == 3 and done["attempts"][0]["launcher"] == "local"
+    stages = {s["stage"] for s in api.call("GET", f"/jobs/{second}/spans")}
+    assert {"rollout", "train", "weight_sync", "eval"} <= stages
+    accuracy = api.call("GET", f"/jobs/{second}/metrics", params={"name": "eval/accuracy"})
+    assert [p["step"] for p in accuracy] == [0, 3] and all(0 <= p["value"] <= 1 for p in accuracy)
+    samples = api.call("GET", f"/jobs/{second}/samples", params={"step": 2})
+    assert 1 <= len(samples) <= 4 and all(s["prompt"] and "reward" in s for s in samples)
+    assert "succeeded" in api.call("GET", f"/jobs/{second}/logs")
+
+    resume_after = cancelled["checkpoints"][-1]["step"]
+    api.call("POST", f"/jobs/{first}/resume")
+    done = api.wait(first, lambda j: j["status"] == "succeeded", what="succeeded after resume")
+    assert [a["resume_step"] for a in done["attempts"]] == [0, resume_after]
+    assert [s["step"] for s in api.call("GET", f"/jobs/{first}/steps")] == list(range(1, 41))  # each step once
+    syncs = api.call("GET", f"/jobs/{first}/spans", params={"stage": "weight_sync"})
+    assert all(s["attrs"]["trainer_fingerprint"] == s["attrs"]["engine_fingerprint"] for s in syncs)
+    kinds = [e["kind"] for e in api.call("GET", f"/jobs/{first}/events")]
+    assert "resume" in kinds and kinds.count("launched") == 2
+
+
+def test_kill_9_of_the_api_loses_nothing(plane, tmp_path):
+    store, start = plane
+    api = start()
+    job = api.call("POST", "/jobs", json={"spec": small_spec("durable", 40, checkpoint_every=5)})["id"]
+    api.wait(job, lambda j: (j["last_step"] or 0) >= 2, what="past step 2")
+    seen = api.call("GET", f"/jobs/{job}/metrics")
+    events = api.call("GET", f"/jobs/{job}/events")
+    api.server.kill()  # kill -9 while the job runs
+    api = start()  # a new server process on the same store and state folder
+    job_now = api.job(job)
+    assert job_now["status"] in ("running", "succeeded"), job_now
+    kinds = [e["kind"] for e in api.call("GET", f"/jobs/{job}/events")]
+    assert "reattached" in kinds or job_now["status"] == "succeeded"
+    done = api.wait(job, lambda j: j["status"] == "succeeded", what="succeeded after the API restart")
+    after = {(p["name"], p["step"], p["value"]) for p in api.call("GET", f"/jobs/{job}/metrics")}
+    assert {(p["name"], p["step"], p["value"]) for p in seen} <= after  # everything acknowledged is there
+    assert {e["id"] for e in events} <= {e["id"] for e in api.call("GET", f"/jobs/{job}/events")}
+    assert done["last_step"] == 40
+
+    # The API and the job's driver both die: the restarted API marks the job failed and resumable.
+    lost = api.call("POST", "/jobs", json={"spec": small_spec("lost", 40, checkpoint_every=2)})["id"]
+    running = api.wait(lost, lambda j: (j["last_step"] or 0) >= 3, what="past step 3")
+    api.server.kill()
+    os.killpg(running["attempts"][-1]["driver_pid"], signal.SIGKILL)
+    api = start()
+    failed = api.job(lost)
+    assert failed["status"] == "failed" and failed["resumable"], failed
+    assert "driver process is gone" in failed["error"] and "resumable" in failed["error"]
+    api.call("POST", f"/jobs/{lost}/resume")
+    done = api.wait(lost, lambda j: j["status"] == "succeeded", what="succeeded after resume")
+    assert done["attempts"][-1]["resume_step"] >= 2 and done["last_step"] == 40
