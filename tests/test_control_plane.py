@@ -60,11 +60,10 @@ class Client:
 def plane(tmp_path, request):
     """A store (SQLite, or PostgreSQL when the test is parametrized so), a token, and API servers on it."""
     servers: list[ApiServer] = []
+    stores: list[Store] = []
     pg = getattr(request, "param", "sqlite") == "postgresql"
     if pg and not os.environ.get(PG_ENV):
         pytest.skip(f"PostgreSQL not configured: set {PG_ENV}")
-
-    stores: list[Store] = []
 
     def run(url: str):
         store = Store(url)
@@ -79,21 +78,9 @@ def plane(tmp_path, request):
 
         return store, start
 
-    try:
-        if pg:
-            with fresh_pg_database(os.environ[PG_ENV]) as url:
-                try:
-                    yield run(url)
-                finally:
-                    for s in servers:
-                        s.stop()
-                    for store in stores:
-                        store.engine.dispose()
-        else:
-            yield run(f"sqlite:///{tmp_path}/miles.db")
-    finally:
-        for s in servers:
-            s.stop()
+    def cleanup() -> None:
+        for server in servers:
+            server.stop()
         for store in stores:  # a failed test may leave drivers behind: they must not outlive it
             for attempt in store.attempts(live_only=True):
                 if attempt.driver_pid:
@@ -101,7 +88,20 @@ def plane(tmp_path, request):
                         os.killpg(attempt.driver_pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+            store.engine.dispose()
         stop_local_ray(tmp_path)
+
+    if pg:
+        with fresh_pg_database(os.environ[PG_ENV]) as url:
+            try:
+                yield run(url)
+            finally:
+                cleanup()
+    else:
+        try:
+            yield run(f"sqlite:///{tmp_path}/miles.db")
+        finally:
+            cleanup()
 
 
 @pytest.mark.parametrize("plane", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True)
