@@ -54,7 +54,8 @@ def api(store_url, tmp_path):
     store = Store(store_url)
     admin_row, admin = create_token(store, "admin", "admin")
     read_row, read = create_token(store, "reader", "read")
-    server = ApiServer(store_url, tmp_path, launcher="off", poll_interval_s="0.2", cpus="2").start()
+    # No token cache: a revoke must apply to the very next request here.
+    server = ApiServer(store_url, tmp_path, launcher="off", poll_interval_s="0.2", cpus="2", token_cache_s="0").start()
     yield Api(server.url, store, {"Authorization": f"Bearer {admin}"}, {"Authorization": f"Bearer {read}"}, read_row.id)
     server.stop()
     store.engine.dispose()

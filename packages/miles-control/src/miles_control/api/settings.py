@@ -39,6 +39,9 @@ class ServerSettings(BaseSettings):
         gt=0,
         description="CPUs jobs may use at once; a job waits in the queue until its share is free.",
     )
+    token_cache_s: float = Field(
+        5.0, ge=0, description="How long a checked token is trusted without a query; a revoke applies within it."
+    )
     max_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413.")
     poll_interval_s: float = Field(1.0, gt=0, description="How often the launcher looks at the queue.")
     cancel_grace_s: float = Field(

@@ -41,11 +41,11 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
 
 class JobNotFound(KeyError):
     def __init__(self, job_id: int) -> None:
-        super().__init__(job_id)
+        super().__init__(f"no job {job_id}")
         self.job_id = job_id
 
     def __str__(self) -> str:
-        return f"no job {self.job_id}"
+        return self.args[0]
 
 
 class InvalidTransition(ValueError):
@@ -288,7 +288,8 @@ class Store:
     def metrics(
         self, job_id: int, names: list[str] | None = None, step_min: int | None = None, step_max: int | None = None
     ) -> list[Metric]:
-        query = select(Metric).where(Metric.job_id == job_id)
+        # Plain rows, not ORM objects: curves are read often and whole.
+        query = select(Metric.name, Metric.step, Metric.value, Metric.wall_time).where(Metric.job_id == job_id)
         if names:
             query = query.where(Metric.name.in_(names))
         if step_min is not None:
@@ -296,7 +297,7 @@ class Store:
         if step_max is not None:
             query = query.where(Metric.step <= step_max)
         with self.session() as s:
-            return list(s.scalars(query.order_by(Metric.name, Metric.step, Metric.id)))
+            return list(s.execute(query.order_by(Metric.name, Metric.step, Metric.id)))
 
     def metric_names(self, job_id: int) -> list[str]:
         with self.session() as s:
