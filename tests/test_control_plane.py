@@ -1,8 +1,10 @@
 """Real jobs through the REST API: launched as drivers on the local Ray instance, queued while CPUs are
 busy, cancelled, resumed from a checkpoint, and surviving kill -9 of the API server."""
 
+import importlib.util
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import yaml
 
 from miles_control.store import Store
 from miles_control.store.tokens import create_token
-from miles_control.testing import PG_ENV, ApiServer, fresh_pg_database, stop_local_ray
+from miles_control.testing import PG_ENV, ApiServer, fresh_pg_database, ray_cluster_with_dashboard, stop_local_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -70,9 +72,9 @@ def plane(tmp_path, request):
         stores.append(store)
         _, token = create_token(store, "test", "admin")
 
-        def start(**settings) -> Client:
+        def start(env: dict[str, str] | None = None, **settings) -> Client:
             settings = {"poll_interval_s": "0.3", "cpus": "1", **settings}
-            server = ApiServer(url, tmp_path, **settings).start()
+            server = ApiServer(url, tmp_path, env=env, **settings).start()
             servers.append(server)
             return Client(server, token)
 
@@ -170,3 +172,29 @@ def test_kill_9_of_the_api_loses_nothing(plane, tmp_path):
     api.call("POST", f"/jobs/{lost}/resume")
     done = api.wait(lost, lambda j: j["status"] == "succeeded", what="succeeded after resume")
     assert done["attempts"][-1]["resume_step"] >= 2 and done["last_step"] == 40
+
+
+@pytest.mark.skipif(importlib.util.find_spec("aiohttp_cors") is None, reason="ray[default] (the dashboard) missing")
+def test_jobs_submitted_to_a_ray_cluster(plane, tmp_path):
+    """launcher ray_job: drivers go through Ray's job submission API to a cluster (a head on this machine)."""
+    store, start = plane
+    with ray_cluster_with_dashboard(tmp_path / "cluster") as dashboard:
+        api = start(
+            env={"RAY_AUTH_MODE": "token"},
+            launcher="ray_job",
+            ray_address=dashboard,
+            driver_python=sys.executable,
+            cpus="2",
+        )
+        short = api.call("POST", "/jobs", json={"spec": small_spec("on-ray", 3)})["id"]
+        done = api.wait(short, lambda j: j["status"] == "succeeded", what="succeeded on the cluster")
+        [attempt] = done["attempts"]
+        assert attempt["launcher"] == "ray_job" and attempt["submission_id"].startswith(f"miles-job-{short}-")
+        assert "succeeded" in api.call("GET", f"/jobs/{short}/logs")  # from Ray's job logs
+        assert {"rollout", "train", "weight_sync"} <= {s["stage"] for s in api.call("GET", f"/jobs/{short}/spans")}
+
+        long = api.call("POST", "/jobs", json={"spec": small_spec("cancel-on-ray", 40)})["id"]
+        api.wait(long, lambda j: (j["last_step"] or 0) >= 2, what="past step 2")
+        api.call("POST", f"/jobs/{long}/cancel")
+        cancelled = api.wait(long, lambda j: j["status"] == "cancelled", what="cancelled")
+        assert cancelled["error"] == "cancelled" and cancelled["last_step"] < 40

@@ -46,8 +46,9 @@ def fresh_pg_database(base_url: str) -> Iterator[str]:
 class ApiServer:
     """`miles serve` as a process of its own (so it can be killed with -9 and started again)."""
 
-    def __init__(self, store_url: str, data_dir: Path, **settings: str) -> None:
+    def __init__(self, store_url: str, data_dir: Path, env: dict[str, str] | None = None, **settings: str) -> None:
         self.store_url, self.data_dir, self.settings = store_url, Path(data_dir), settings
+        self.env = env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -60,6 +61,7 @@ class ApiServer:
             "MILES_STORE_URL": self.store_url,
             "MILES_DATA_DIR": str(self.data_dir / "state"),
             **{f"MILES_{k.upper()}": v for k, v in self.settings.items()},
+            **self.env,
         }
         cmd = [sys.executable, "-m", "miles_control.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
         with open(self.log, "ab") as out:
@@ -103,3 +105,39 @@ def stop_local_ray(data_dir: Path) -> None:
         except ProcessLookupError:
             pass
         state.unlink()
+
+
+@contextmanager
+def ray_cluster_with_dashboard(workdir: Path, num_cpus: int = 2) -> Iterator[str]:
+    """A Ray head with its dashboard (the job submission API) on this machine; yields the dashboard URL.
+
+    Needs `ray[default]`. Token auth is on (Ray's default): clients need RAY_AUTH_MODE=token."""
+    port, dashboard_port = free_port(), free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "ray-cluster.log"
+    cmd = [
+        str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={port}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        f"--num-cpus={num_cpus}", "--disable-usage-stats",
+    ]  # fmt: skip
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the Ray head did not start: {log.read_text()[-3000:]}")
+            try:
+                httpx.get(f"{url}/api/version", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        yield url
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(3)

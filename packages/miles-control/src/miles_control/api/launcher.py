@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -35,6 +36,14 @@ class Driver(Protocol):
     def exit_reason(self) -> str: ...
     def terminate(self) -> None: ...
     def kill(self) -> None: ...
+
+
+def driver_store_url(url: str) -> str:
+    """The store URL as a driver elsewhere must see it: a relative SQLite path made absolute."""
+    prefix = "sqlite:///"
+    if url.startswith(prefix) and not url.startswith(prefix + "/") and url != prefix + ":memory:":
+        return prefix + str(Path(url.removeprefix(prefix)).resolve())
+    return url
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -168,16 +177,22 @@ class RayJobDriver:
         self.client = JobSubmissionClient(address)
 
     @classmethod
-    def start(cls, address: str, store_url: str, job_id: int, attempt_id: int) -> RayJobDriver:
+    def start(cls, settings: ServerSettings, store_url: str, job_id: int, attempt_id: int) -> RayJobDriver:
         from ray.job_submission import JobSubmissionClient
 
         submission_id = f"miles-job-{job_id}-attempt-{attempt_id}-{int(time.time())}"
-        entrypoint = (
-            f"python -m miles_control.driver --job-id {job_id} --attempt-id {attempt_id} "
-            f"--store '{store_url}' --ray-address auto"
+        entrypoint = shlex.join(
+            [settings.driver_python, "-m", "miles_control.driver", "--job-id", str(job_id),
+             "--attempt-id", str(attempt_id), "--store", store_url, "--ray-address", "auto"]
+        )  # fmt: skip
+        env = {k: os.environ[k] for k in ("MILES_CACHE", "RAY_AUTH_MODE") if k in os.environ}
+        JobSubmissionClient(settings.ray_address).submit_job(
+            entrypoint=entrypoint, submission_id=submission_id, runtime_env={"env_vars": env}
         )
-        JobSubmissionClient(address).submit_job(entrypoint=entrypoint, submission_id=submission_id)
-        return cls(attempt_id, address, submission_id)
+        return cls(attempt_id, settings.ray_address, submission_id)
+
+    def logs(self) -> str:
+        return self.client.get_job_logs(self.submission_id)
 
     def _status(self) -> str:
         return str(self.client.get_job_status(self.submission_id).value)
@@ -328,14 +343,15 @@ class Launcher:
             if kind == "local":
                 address = self.ray.address()
                 driver: Driver = LocalDriver.start(
-                    self.store.url, job_id, attempt.id, address, log_path, self.ray.driver_env
+                    driver_store_url(self.store.url), job_id, attempt.id, address, log_path, self.ray.driver_env
                 )
                 self.store.update_attempt(
                     attempt.id, driver_pid=driver.pid, driver_host=socket.gethostname(), log_path=str(log_path)
                 )
             else:
-                assert self.settings.ray_address, "launcher ray_job needs ray_address"
-                driver = RayJobDriver.start(self.settings.ray_address, self.store.url, job_id, attempt.id)
+                if not self.settings.ray_address:
+                    raise ValueError("launcher ray_job needs ray_address (the cluster's dashboard URL)")
+                driver = RayJobDriver.start(self.settings, driver_store_url(self.store.url), job_id, attempt.id)
                 self.store.update_attempt(attempt.id, submission_id=driver.submission_id)
         except Exception as exc:
             self._fail(attempt, f"launch failed: {type(exc).__name__}: {exc}")

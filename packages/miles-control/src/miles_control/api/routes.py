@@ -315,6 +315,12 @@ def get_logs(
         raise HTTPException(
             404, f"job {job_id} has no attempt {attempt}" if attempt else f"job {job_id} has no attempt yet"
         )
+    if chosen[-1].launcher == "ray_job" and chosen[-1].submission_id:
+        from miles_control.api.launcher import RayJobDriver
+
+        address = request.app.state.settings.ray_address
+        text = RayJobDriver(chosen[-1].id, address, chosen[-1].submission_id).logs()
+        return PlainTextResponse(text[-tail_bytes:])
     path = chosen[-1].log_path
     if not path or not FilePath(path).exists():
         raise HTTPException(404, f"attempt {chosen[-1].number} of job {job_id} has no log on this server")

@@ -34,6 +34,9 @@ class ServerSettings(BaseSettings):
         description="local: an existing Ray instance (GCS address) instead of one started on demand; "
         "ray_job: the cluster's dashboard URL, e.g. http://head:8265.",
     )
+    driver_python: str = Field(
+        "python", description="ray_job: the interpreter of the cluster that runs `-m miles_control.driver`."
+    )
     cpus: float = Field(
         default_factory=lambda: float(os.cpu_count() or 1),
         gt=0,
