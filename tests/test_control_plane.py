@@ -4,6 +4,7 @@ busy, cancelled, resumed from a checkpoint, and surviving kill -9 of the API ser
 import importlib.util
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -172,6 +173,23 @@ def test_kill_9_of_the_api_loses_nothing(plane, tmp_path):
     api.call("POST", f"/jobs/{lost}/resume")
     done = api.wait(lost, lambda j: j["status"] == "succeeded", what="succeeded after resume")
     assert done["attempts"][-1]["resume_step"] >= 2 and done["last_step"] == 40
+
+
+def test_the_api_client_example_runs(plane):
+    """examples/api_client.py: launch, follow the event stream to the end, read spans and metrics."""
+    store, start = plane
+    api = start(cpus="2")
+    token = api.headers["Authorization"].removeprefix("Bearer ")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "api_client.py"), "--api", api.server.url, "--token", token,
+         "--steps", "3"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "job 1: succeeded after 3 steps" in out
+    assert "[status] queued → starting" in out and "[status] running → succeeded" in out
+    assert "weight_sync" in out and "held-out accuracy by step: 0:" in out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("aiohttp_cors") is None, reason="ray[default] (the dashboard) missing")
