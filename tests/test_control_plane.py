@@ -116,6 +116,16 @@ def test_jobs_queue_run_cancel_and_resume_through_the_api(plane):
     api.wait(first, lambda j: j["status"] == "running" and (j["last_step"] or 0) >= 3, what="past step 3")
     assert api.job(second)["status"] == "queued"  # waits for the CPUs of the first
 
+    # A live schedule change of the running job: applied at its next step, and recorded.
+    change = api.call("PATCH", f"/jobs/{first}/schedule", json={"pause_mode": "retract"})
+    deadline = time.time() + 120
+    while (changes := api.call("GET", f"/jobs/{first}/schedule-changes"))[0]["status"] == "pending":
+        assert time.time() < deadline, changes
+        time.sleep(0.3)
+    assert changes[0]["id"] == change["id"] and changes[0]["status"] == "applied" and changes[0]["applied_step"] > 3
+    events = api.call("GET", f"/jobs/{first}/events")
+    assert any(e["kind"] == "schedule_change" and "in_place → retract" in e["message"] for e in events)
+
     api.call("POST", f"/jobs/{first}/cancel")
     cancelled = api.wait(first, lambda j: j["status"] == "cancelled", what="cancelled")
     assert cancelled["error"] == "cancelled" and cancelled["resumable"]
