@@ -148,6 +148,11 @@ def test_jobs_queue_run_cancel_and_resume_through_the_api(plane):
     assert [s["step"] for s in api.call("GET", f"/jobs/{first}/steps")] == list(range(1, 41))  # each step once
     syncs = api.call("GET", f"/jobs/{first}/spans", params={"stage": "weight_sync"})
     assert all(s["attrs"]["trainer_fingerprint"] == s["attrs"]["engine_fingerprint"] for s in syncs)
+    # The resumed attempt pushed exactly the weights the first one had after the checkpoint's step.
+    at_checkpoint = [s["attrs"]["trainer_fingerprint"] for s in syncs if s["step"] == resume_after]
+    assert len(at_checkpoint) == 2 and at_checkpoint[0] == at_checkpoint[1]
+    restore = api.call("GET", f"/jobs/{first}/spans", params={"stage": "restore"})
+    assert [s["step"] for s in restore] == [resume_after]
     kinds = [e["kind"] for e in api.call("GET", f"/jobs/{first}/events")]
     assert "resume" in kinds and kinds.count("launched") == 2
 

@@ -80,6 +80,15 @@ def test_bad_input_gets_4xx_naming_the_problem(api):
     extra = policy({"rollout": {"engine": {"type": "sglang", "extra_args": ["--model-path", "/"]}}})
     assert "not accepted" in extra["body.spec.rollout.engine.extra_args"]
     assert "reserves 9 CPUs" in policy({"train": {"backend": {"world_size": 17}}})["body.spec.ray"]
+    urls = policy({"rollout": {"engine": {"type": "sglang", "urls": ["http://169.254.169.254"]}}})
+    assert "not accepted" in urls["body.spec.rollout.engine.urls"]
+    assert "leave it out" in policy({"sync": {"dir": "runs"}})["body.spec.sync.dir"]
+    r = httpx.post(
+        api.url + "/api/v1/jobs",
+        headers={**api.admin, "content-type": "application/json"},
+        content=b'{"spec": {"name": "x", "train": {"optimizer": {"lr": Infinity}}}}',
+    )
+    assert "body.spec.train.optimizer.lr" in field_errors(r)
     assert api.get("/api/v1/jobs", params={"limit": 0}).status_code == 422
     assert api.get("/api/v1/jobs/0").status_code == 422
     assert api.get(f"/api/v1/jobs/{2**40}").status_code == 422
@@ -166,3 +175,21 @@ def test_operation_ids_are_stable(api):
         prometheus_metrics resume_job stream_events""".split()
     )
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+def test_rewards_over_the_api_are_functions_of_allowed_modules_only():
+    from miles_control.api.policy import check_spec
+    from miles_control.api.settings import ServerSettings
+    from miles_control.config import JobSpec
+
+    def problems(reward: str, modules: list[str]) -> list[str]:
+        spec = JobSpec.model_validate({"name": "x", "rollout": {"reward": reward}})
+        return [p["msg"] for p in check_spec(spec, ServerSettings(plugin_modules=modules, cpus=4))[1]]
+
+    assert problems("exact_match", []) == []  # registered
+    assert problems("json:loads", ["json"]) == []  # defined in an allowed module
+    assert "unknown reward" in problems("json:loads", [])[0]
+    assert "unknown reward" in problems("json:codecs.open", ["json"])[0]  # a path through the module
+    assert "unknown reward" in problems("jsonx:loads", ["json"])[0]  # a prefix is not a module
+    assert "is not defined in" in problems("miles_rollout.rewards:resolve_dotted", ["miles_rollout.rewards"])[0]
+    assert "has no attribute" in problems("json:nope", ["json"])[0]

@@ -49,9 +49,20 @@ def test_a_store_from_before_migrations_is_adopted(store_url):
         conn.execute(
             text("INSERT INTO jobs (name, status, spec, created_at) VALUES ('old', 'succeeded', '{}', '2026-01-01')")
         )
+        conn.execute(text("INSERT INTO metrics (job_id, step, name, value, wall_time) VALUES (1, 3, 'loss', 0.5, 0)"))
+        conn.execute(
+            text(
+                "INSERT INTO events (job_id, kind, message, data, created_at) VALUES (1, 'x', 'y', '{}', '2026-01-01')"
+            )
+        )
     engine.dispose()
     store = Store(store_url)
     assert current_revision(store.engine) == head_revision()
     [job] = store.jobs()[0]
     assert job.name == "old" and job.source == "cli" and job.cancel_requested is False
+    assert store.metric_series(job.id, "loss") == [(3, 0.5)]  # the rows of the old store's tables survive
+    assert [e.kind for e in store.events(job.id)] == ["x"]
+    downgrade(store.engine, "0001")  # and a downgrade (a table copy on SQLite) keeps them too
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM metrics")).scalar() == 1
     store.engine.dispose()

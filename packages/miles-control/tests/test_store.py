@@ -97,6 +97,21 @@ def test_compare_and_set_refuses_a_stale_expectation(store_url):
     store.engine.dispose()
 
 
+def test_a_status_change_is_atomic_against_a_stale_read(store_url, monkeypatch):
+    """Between a process's read and its write, another process cancels: the write must not happen."""
+    store = Store(store_url)
+    job = job_in(store, JobStatus.QUEUED)
+    stale = store.job(job)
+    store.request_cancel(job)  # another process, after our read
+    reads = iter([stale])
+    real_job = store.job
+    monkeypatch.setattr(store, "job", lambda job_id: next(reads, None) or real_job(job_id))
+    with pytest.raises(InvalidTransition, match="is cancelled; it cannot become starting"):
+        store.set_status(job, JobStatus.STARTING)
+    assert real_job(job).status == "cancelled"
+    store.engine.dispose()
+
+
 def test_cancel_resume_attempts_and_rollback_to_a_checkpoint(store_url):
     store = Store(store_url)
     queued = job_in(store, JobStatus.QUEUED)

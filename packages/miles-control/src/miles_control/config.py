@@ -16,7 +16,7 @@ from miles_train.config import TrainConfig
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
 
 
 class BuiltinModelConfig(_Strict):

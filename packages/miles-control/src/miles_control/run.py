@@ -47,8 +47,7 @@ def run_job(
     says where to start: after the job's checkpoint of that step, or from scratch when 0."""
     store = store or Store(spec.store.url)
     if job_id is None:
-        job_id = store.create_job(spec.name, spec.model_dump(mode="json"))
-        store.set_status(job_id, JobStatus.STARTING)
+        job_id = store.create_job(spec.name, spec.model_dump(mode="json"), status=JobStatus.STARTING)
         attempt = store.start_attempt(job_id, "inline", driver_pid=os.getpid(), driver_host=socket.gethostname())
     else:
         attempt = next(a for a in store.attempts(job_id) if a.id == attempt_id)

@@ -11,7 +11,7 @@ PauseMode = Literal["in_place", "retract", "abort"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
 
 
 class HFEngineConfig(_Strict):

@@ -13,7 +13,7 @@ WireDtype = Literal["float32", "bfloat16", "float16"]
 class SyncConfig(BaseModel):
     """How trainer weights reach the rollout engines."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
 
     transport: TransportName = Field(
         "disk",

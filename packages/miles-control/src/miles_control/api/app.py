@@ -5,11 +5,14 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -102,6 +105,22 @@ class Measure:
             self.latency.labels(path).observe(time.perf_counter() - start)
 
 
+def _finite(value):
+    """JSON has no inf or NaN: where a rejected input held them, say so as text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 (one entry per field, with `loc` and `msg`), safe for any input it echoes."""
+    return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
+
+
 class _JobCollector:
     """Scrape-time gauges from the store: jobs by status, and the newest step of each running job."""
 
@@ -141,6 +160,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         generate_unique_id_function=lambda route: route.name,  # stable operation ids: the function names
     )
     app.state.settings, app.state.store, app.state.launcher = settings, store, launcher
+    app.add_exception_handler(RequestValidationError, _validation_error)
     app.state.token_touched, app.state.token_cache = {}, {}
     app.include_router(router)
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timezone
 from pathlib import Path
 from typing import Protocol
 
@@ -52,6 +53,27 @@ def _port_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _arg(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args[:-1] else None
+
+
+def _process_start(pid: int) -> float | None:
+    """When a process started (unix seconds), from /proc; None if it does not exist."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+    except (OSError, StopIteration):
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time in ticks
 
 
 class LocalRay:
@@ -139,11 +161,10 @@ class LocalDriver:
     def alive(self) -> bool:
         if self.proc is not None:
             return self.proc.poll() is None
-        try:  # a driver re-attached after a restart: not our child; check it is still that driver
-            cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return False
-        return b"miles_control.driver" in cmdline and str(self.attempt_id).encode() in cmdline
+        # A driver re-attached after a restart is not our child: its pid may have been reused since, so
+        # check that the process is that driver (its exact --attempt-id).
+        args = _cmdline(self.pid)
+        return "miles_control.driver" in args and _arg(args, "--attempt-id") == str(self.attempt_id)
 
     def exit_reason(self) -> str:
         if self.proc is not None and self.proc.returncode is not None:
@@ -249,16 +270,32 @@ class Launcher:
 
     # --- the work -------------------------------------------------------------------------------
     def reattach(self) -> None:
-        """After a restart: keep watching drivers that still run; fail the jobs of drivers that are gone."""
+        """After a restart: keep watching drivers that still run; fail the jobs of drivers that are gone,
+        and of launches the restart interrupted (a job `starting` with no attempt)."""
         for attempt in self.store.attempts(live_only=True):
-            driver = self._driver_of(attempt)
-            if driver is not None and driver.alive():
-                self.drivers[attempt.id] = driver
-                self.store.add_event(attempt.job_id, "reattached", f"attempt {attempt.number}: driver re-attached")
-                log.info("job %d: re-attached to attempt %d", attempt.job_id, attempt.number)
-            else:
-                reason = driver.exit_reason() if driver is not None else "its driver was lost"
-                self._fail(attempt, reason)
+            try:
+                driver = self._driver_of(attempt)
+                if driver is None and attempt.launcher == "inline":
+                    continue  # a `miles run` on another machine: not ours to judge
+                if driver is not None and driver.alive():
+                    self.drivers[attempt.id] = driver
+                    self.store.add_event(attempt.job_id, "reattached", f"attempt {attempt.number}: driver re-attached")
+                    log.info("job %d: re-attached to attempt %d", attempt.job_id, attempt.number)
+                else:
+                    self._fail(attempt, driver.exit_reason() if driver is not None else "its driver was lost")
+            except Exception as exc:  # noqa: BLE001 - e.g. a Ray cluster that does not answer: retried by ticks
+                log.exception("job %d: cannot check attempt %d", attempt.job_id, attempt.number)
+                self.last_error = f"re-attaching job {attempt.job_id}: {type(exc).__name__}: {exc}"
+        live_jobs = {a.job_id for a in self.store.attempts(live_only=True)}
+        starting, _ = self.store.jobs(status=[JobStatus.STARTING.value], limit=1000, source="api")
+        for job in starting:
+            if job.id not in live_jobs:
+                try:
+                    self.store.set_status(
+                        job.id, JobStatus.FAILED, error="launch interrupted by a restart of the API; resumable"
+                    )
+                except InvalidTransition:
+                    pass
 
     def _driver_of(self, attempt: Attempt) -> Driver | None:
         if attempt.launcher == "local" and attempt.driver_pid and attempt.driver_host == socket.gethostname():
@@ -266,7 +303,10 @@ class Launcher:
         if attempt.launcher == "ray_job" and attempt.submission_id and self.settings.ray_address:
             return RayJobDriver(attempt.id, self.settings.ray_address, attempt.submission_id)
         if attempt.launcher == "inline" and attempt.driver_host == socket.gethostname() and attempt.driver_pid:
-            return _InlineRun(attempt.id, attempt.driver_pid)
+            started = attempt.started_at
+            if started.tzinfo is None:  # SQLite keeps no time zone; the store writes UTC
+                started = started.replace(tzinfo=timezone.utc)
+            return _InlineRun(attempt.id, attempt.driver_pid, started.timestamp())
         return None
 
     def _fail(self, attempt: Attempt, reason: str) -> None:
@@ -289,6 +329,11 @@ class Launcher:
             self._launch()
 
     def _reap(self) -> None:
+        for attempt in self.store.attempts(live_only=True):  # `miles run` jobs that started meanwhile
+            if attempt.launcher == "inline" and attempt.id not in self.drivers:
+                driver = self._driver_of(attempt)
+                if driver is not None:
+                    self.drivers[attempt.id] = driver
         for attempt_id, driver in list(self.drivers.items()):
             if driver.alive():
                 continue
@@ -320,7 +365,7 @@ class Launcher:
         return used
 
     def _launch(self) -> None:
-        queued, _ = self.store.jobs(status=[JobStatus.QUEUED.value], limit=1000)
+        queued, _ = self.store.jobs(status=[JobStatus.QUEUED.value], limit=1000, source="api")
         if not queued:
             return
         used = self.used_cpus()
@@ -363,16 +408,18 @@ class Launcher:
 
 
 class _InlineRun(LocalDriver):
-    """A `miles run` in some terminal: watched for liveness only (the API did not start it)."""
+    """A `miles run` in some terminal of this machine: watched for liveness only (the API did not start it).
+
+    Its process started before it made its attempt row; a process with its pid that started later is
+    another one (a reused pid)."""
+
+    def __init__(self, attempt_id: int, pid: int, attempt_started: float) -> None:
+        super().__init__(attempt_id, pid)
+        self.attempt_started = attempt_started
 
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        started = _process_start(self.pid)
+        return started is not None and started <= self.attempt_started + 2.0
 
     def terminate(self) -> None:
         try:

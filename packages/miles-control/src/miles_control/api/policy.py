@@ -59,13 +59,17 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
         if "output_dir" in spec.model_fields_set
         else str(runs)
     )
-    if data["sync"].get("dir") is not None:
-        data["sync"]["dir"] = confined(runs, data["sync"]["dir"], ("sync", "dir"), "weights folder")
+    if data["sync"].get("dir") is not None:  # the disk transport deletes old versions there: each run has its own
+        problems.append(_problem(("sync", "dir"), "the server gives each run its own weights folder; leave it out"))
     engine = data["rollout"]["engine"]
     if engine["type"] == "sglang":
         if engine["extra_args"]:
             problems.append(
                 _problem(("rollout", "engine", "extra_args"), "extra SGLang flags are not accepted over the API")
+            )
+        if engine["urls"]:
+            problems.append(
+                _problem(("rollout", "engine", "urls"), "attaching to servers by URL is not accepted over the API")
             )
         if engine["log_dir"] is not None:
             engine["log_dir"] = confined(runs, engine["log_dir"], ("rollout", "engine", "log_dir"), "log folder")
@@ -84,16 +88,21 @@ def _check_reward(reward: str, settings: ServerSettings) -> list[Problem]:
 
     if reward in registered_rewards():
         return []
-    module = reward.partition(":")[0] if ":" in reward else reward.rpartition(".")[0]
-    allowed = any(module == m or module.startswith(m + ".") for m in settings.plugin_modules)
-    if not allowed:
+    module, _, attr = reward.partition(":") if ":" in reward else reward.rpartition(".")
+
+    def allowed(name: str) -> bool:
+        return any(name == m or name.startswith(m + ".") for m in settings.plugin_modules)
+
+    if not allowed(module) or not attr.isidentifier():  # a function of the module itself, not a path through it
         names = ", ".join(registered_rewards())
         extra = f"; or a function of {', '.join(settings.plugin_modules)}" if settings.plugin_modules else ""
         return [_problem(("rollout", "reward"), f"unknown reward {reward!r}: use one of {names}{extra}")]
     try:
         from miles_rollout.rewards import resolve_reward
 
-        resolve_reward(reward)
+        fn = resolve_reward(reward)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
         return [_problem(("rollout", "reward"), str(exc))]
+    if not allowed(getattr(fn, "__module__", "") or ""):  # e.g. a name the module imported from elsewhere
+        return [_problem(("rollout", "reward"), f"{reward!r} is not defined in {', '.join(settings.plugin_modules)}")]
     return []

@@ -136,7 +136,8 @@ def cancel_job(job_id: JobId, request: Request, _: AdminToken) -> JobDetail:
 def resume_job(job_id: JobId, request: Request, _: AdminToken) -> JobDetail:
     """The next attempt starts after the job's last checkpoint (from scratch when it has none)."""
     store = _store(request)
-    _job(store, job_id)
+    if _job(store, job_id).source != "api":
+        raise HTTPException(409, f"job {job_id} was run by `miles run`, not through the API; run its spec again there")
     try:
         store.resume(job_id)
     except InvalidTransition as exc:
@@ -319,7 +320,12 @@ def get_logs(
         from miles_control.api.launcher import RayJobDriver
 
         address = request.app.state.settings.ray_address
-        text = RayJobDriver(chosen[-1].id, address, chosen[-1].submission_id).logs()
+        if request.app.state.settings.launcher != "ray_job" or not address:
+            raise HTTPException(404, f"attempt {chosen[-1].number} ran on a Ray cluster this server is not set up for")
+        try:
+            text = RayJobDriver(chosen[-1].id, address, chosen[-1].submission_id).logs()
+        except Exception as exc:  # noqa: BLE001 - the cluster's answer, reported
+            raise HTTPException(502, f"the Ray cluster at {address} did not give the logs: {exc}") from None
         return PlainTextResponse(text[-tail_bytes:])
     path = chosen[-1].log_path
     if not path or not FilePath(path).exists():

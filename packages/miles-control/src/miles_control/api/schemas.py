@@ -11,7 +11,7 @@ from miles_control.config import JobSpec
 
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class _Out(BaseModel):

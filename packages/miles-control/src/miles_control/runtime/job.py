@@ -280,8 +280,12 @@ class JobRuntime:
 
     def restore(self, directory: Path, step: int) -> dict[str, float]:
         """Load a checkpoint into the trainer and push its weights to the engines, as version `step`."""
+        import ray
+
         start = time.time()
         self.trainer.call("load", str(directory))
+        # The prompts of steps 1..step were trained on already (fully_async: about that many).
+        ray.get(self.rollout.skip_prompts.remote(step * self.spec.rollout.num_prompts_per_step))
         self.recorder.span("restore", step, "trainer", start, time.time())
         self.recorder.event("resume", f"resumed from {directory} (after step {step})", step=step, path=str(directory))
         return self.push_weights(step, version=step)

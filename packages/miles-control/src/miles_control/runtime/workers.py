@@ -131,6 +131,11 @@ class RolloutWorker:
     def broadcast_ranks(self) -> int:
         return self.engine.broadcast_ranks
 
+    def skip_prompts(self, num_prompts: int) -> None:
+        """Advance the prompt stream past what earlier steps used (a resume continues where they stopped)."""
+        if num_prompts:
+            self.stream.next_batch(num_prompts)
+
     def generate(self):
         prompts = self.stream.next_batch(self.config.num_prompts_per_step)
         return asyncio.run(self.manager.generate(prompts))

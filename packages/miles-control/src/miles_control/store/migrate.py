@@ -38,9 +38,19 @@ def current_revision(engine: Engine) -> str | None:
 
 def _run(engine: Engine, action, *args) -> None:
     config = alembic_config(engine)
-    with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        action(config, *args)
+    with engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:  # a table copy (batch mode) must not cascade deletes; the pragma works outside a transaction
+            conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            conn.commit()
+        try:
+            with conn.begin():
+                config.attributes["connection"] = conn
+                action(config, *args)
+        finally:
+            if sqlite:
+                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+                conn.commit()
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:

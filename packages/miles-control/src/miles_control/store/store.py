@@ -90,9 +90,12 @@ class Store:
         return self._sessions()
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def create_job(self, name: str, spec: dict[str, Any], source: str = "cli") -> int:
+    def create_job(
+        self, name: str, spec: dict[str, Any], source: str = "cli", status: JobStatus = JobStatus.QUEUED
+    ) -> int:
+        """A new job row; `miles run` creates its job `starting` (it runs it itself: no launcher may take it)."""
         with self.session() as s, s.begin():
-            job = Job(name=name, spec=spec, status=JobStatus.QUEUED.value, source=source)
+            job = Job(name=name, spec=spec, status=status.value, source=source)
             s.add(job)
             s.flush()
             return job.id
@@ -102,44 +105,53 @@ class Store:
     ) -> None:
         """Move a job along its lifecycle; refuses what `TRANSITIONS` does not allow (InvalidTransition).
 
-        With `expect`, the change happens only from that status (a compare-and-set between processes)."""
+        Atomic between processes: the row changes only if its status is still the one the check saw
+        (`UPDATE … WHERE status = …`). With `expect`, only from that status."""
+        job = self.job(job_id)
+        current = JobStatus(job.status)
+        if status not in TRANSITIONS[current] or (expect is not None and current != expect):
+            raise InvalidTransition(job_id, current.value, status.value)
+        now = utcnow()
+        values: dict[str, Any] = {"status": status.value, "updated_at": now}
+        if status == JobStatus.RUNNING:
+            values["started_at"] = now
+        if status in FINAL:
+            values["finished_at"] = now
+        if status == JobStatus.QUEUED:  # a resume
+            values.update(finished_at=None, error=None, cancel_requested=False)
+        if error is not None:
+            values["error"] = error
+        message = f"{current.value} → {status.value}" + (f": {error}" if error else "")
         with self.session() as s, s.begin():
-            job = s.get(Job, job_id, with_for_update=True)
-            if job is None:
-                raise JobNotFound(job_id)
-            current = JobStatus(job.status)
-            if status not in TRANSITIONS[current] or (expect is not None and current != expect):
-                raise InvalidTransition(job_id, current.value, status.value)
-            job.status = status.value
-            job.updated_at = utcnow()
-            message = f"{current.value} → {status.value}" + (f": {error}" if error else "")
-            s.add(Event(job_id=job_id, kind="status", message=message, data={"status": status.value}))
-            if status == JobStatus.RUNNING:
-                job.started_at = utcnow()
-            if status in FINAL:
-                job.finished_at = utcnow()
-            if status == JobStatus.QUEUED:  # a resume
-                job.finished_at, job.error, job.cancel_requested = None, None, False
-            if error is not None:
-                job.error = error
+            changed = s.execute(
+                update(Job).where(Job.id == job_id, Job.status == current.value).values(**values)
+            ).rowcount
+            if changed:
+                s.add(Event(job_id=job_id, kind="status", message=message, data={"status": status.value}))
+        if not changed:  # another process moved it first
+            raise InvalidTransition(job_id, self.job(job_id).status, status.value)
 
     def request_cancel(self, job_id: int) -> str:
-        """Cancel a job: at once when queued, else flag it for its launcher. Returns the resulting status."""
-        with self.session() as s, s.begin():
-            job = s.get(Job, job_id, with_for_update=True)
-            if job is None:
-                raise JobNotFound(job_id)
-            current = JobStatus(job.status)
+        """Cancel a job: at once when queued, else flag it for its driver. Returns the resulting status."""
+        for _ in range(5):  # retried when the status changes under us
+            current = JobStatus(self.job(job_id).status)
             if current not in ACTIVE:
                 raise InvalidTransition(job_id, current.value, JobStatus.CANCELLED.value)
-            job.cancel_requested = True
-            job.updated_at = utcnow()
+            values: dict[str, Any] = {"cancel_requested": True, "updated_at": utcnow()}
             if current == JobStatus.QUEUED:
-                job.status, job.finished_at, job.error = JobStatus.CANCELLED.value, utcnow(), "cancelled while queued"
-                s.add(Event(job_id=job_id, kind="status", message="queued → cancelled", data={"status": job.status}))
-            else:
-                s.add(Event(job_id=job_id, kind="cancel", message="cancel requested", data={}))
-            return job.status
+                values.update(status=JobStatus.CANCELLED.value, finished_at=utcnow(), error="cancelled while queued")
+            with self.session() as s, s.begin():
+                query = update(Job).where(Job.id == job_id, Job.status == current.value).values(**values)
+                if not s.execute(query).rowcount:
+                    continue
+                if current == JobStatus.QUEUED:
+                    s.add(
+                        Event(job_id=job_id, kind="status", message="queued → cancelled", data={"status": "cancelled"})
+                    )
+                else:
+                    s.add(Event(job_id=job_id, kind="cancel", message="cancel requested", data={}))
+                return values.get("status", current.value)
+        raise InvalidTransition(job_id, self.job(job_id).status, JobStatus.CANCELLED.value)
 
     def resume(self, job_id: int) -> int:
         """failed | cancelled → queued; returns the step of the checkpoint the next attempt starts after."""
@@ -245,10 +257,17 @@ class Store:
             return job
 
     def jobs(
-        self, status: list[str] | None = None, name: str | None = None, limit: int = 50, offset: int = 0
+        self,
+        status: list[str] | None = None,
+        name: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+        source: str | None = None,
     ) -> tuple[list[Job], int]:
         """Newest first, with the total count of matches (for pagination)."""
         query = select(Job)
+        if source:
+            query = query.where(Job.source == source)
         if status:
             query = query.where(Job.status.in_(status))
         if name:

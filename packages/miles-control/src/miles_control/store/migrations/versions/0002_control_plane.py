@@ -20,11 +20,11 @@ def _job_fk() -> sa.Column:
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("jobs") as batch:
-        batch.add_column(sa.Column("source", sa.String(20), nullable=False, server_default="cli"))
-        batch.add_column(sa.Column("cancel_requested", sa.Boolean, nullable=False, server_default=sa.false()))
-        batch.add_column(sa.Column("updated_at", TS, nullable=True))
-        batch.create_index("ix_jobs_status", ["status"])
+    # Plain ADD COLUMN (no table copy on SQLite: a copy drops `jobs`, which would cascade to its rows).
+    op.add_column("jobs", sa.Column("source", sa.String(20), nullable=False, server_default="cli"))
+    op.add_column("jobs", sa.Column("cancel_requested", sa.Boolean, nullable=False, server_default=sa.false()))
+    op.add_column("jobs", sa.Column("updated_at", TS, nullable=True))
+    op.create_index("ix_jobs_status", "jobs", ["status"])
     op.create_index("ix_events_job_id", "events", ["job_id", "id"])
     op.create_table(
         "attempts",
@@ -83,8 +83,8 @@ def downgrade() -> None:
     for table in ("api_tokens", "samples", "checkpoints", "attempts"):
         op.drop_table(table)
     op.drop_index("ix_events_job_id", "events")
-    with op.batch_alter_table("jobs") as batch:
-        batch.drop_index("ix_jobs_status")
+    op.drop_index("ix_jobs_status", "jobs")
+    with op.batch_alter_table("jobs") as batch:  # SQLite copies the table: the migration runs with FKs off
         batch.drop_column("updated_at")
         batch.drop_column("cancel_requested")
         batch.drop_column("source")
