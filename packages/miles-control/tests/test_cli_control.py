@@ -48,9 +48,13 @@ def test_jobs_commands_against_a_server(api):
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
     again = miles("jobs", "cancel", str(job["id"]), env=env)
     assert again.returncode == 1 and "409" in again.stderr and "is cancelled" in again.stderr
+    followed = miles("jobs", "events", str(job["id"]), "--follow", env=env)  # ends: the job is final
+    assert followed.returncode == 0, followed.stderr
+    assert "[status] queued → cancelled" in followed.stdout and "is cancelled" in followed.stdout
     resumed = miles("jobs", "resume", str(job["id"]), env=env)
     assert resumed.returncode == 0 and "queued (resumes after step 0)" in resumed.stdout
     assert api.store.job(job["id"]).status == JobStatus.QUEUED.value
+    assert "[status] cancelled → queued" in miles("jobs", "events", str(job["id"]), env=env).stdout
     logs = miles("jobs", "logs", str(job["id"]), env=env)
     assert logs.returncode == 1 and "has no attempt yet" in logs.stderr
     unknown = miles("jobs", "show", "999", env=env)

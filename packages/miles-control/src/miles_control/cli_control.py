@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 console = Console(stderr=True)
@@ -104,7 +105,7 @@ def jobs_list(
         table.add_column(col)
     for job in page["items"]:
         step = f"{job['last_step'] or 0}/{job['num_steps']}"
-        table.add_row(str(job["id"]), job["name"], job["status"], job["schedule"], step, job["created_at"][:19])
+        table.add_row(str(job["id"]), escape(job["name"]), job["status"], job["schedule"], step, job["created_at"][:19])
     out.print(table)
 
 
@@ -112,7 +113,7 @@ def jobs_list(
 def jobs_show(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None:
     """Status, attempts, checkpoints and the newest metrics of a job."""
     job = _call("GET", api, token, f"/jobs/{job_id}")
-    out.print(f"[bold]job {job['id']}[/] {job['name']}: [bold]{job['status']}[/] ({job['schedule']}, "
+    out.print(f"[bold]job {job['id']}[/] {escape(job['name'])}: [bold]{job['status']}[/] ({job['schedule']}, "
               f"step {job['last_step'] or 0}/{job['num_steps']})")  # fmt: skip
     if job["error"]:
         out.print(f"error: {job['error']}", highlight=False)
@@ -166,6 +167,46 @@ def jobs_logs(
     out.print(text, markup=False, highlight=False, end="")
 
 
+@jobs_app.command("events")
+def jobs_events(
+    job_id: int,
+    api: ApiUrl = DEFAULT_API,
+    token: Token = "",
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream new events until the job ends.")] = False,
+) -> None:
+    """A job's events (status changes, launches, schedule changes, checkpoints, errors)."""
+    import json
+
+    import httpx
+
+    def show(event: dict) -> None:
+        step = f" step {event['step']}" if event.get("step") is not None else ""
+        out.print(
+            f"{event['created_at'][:19]} [{event['kind']}]{step} {event['message']}", markup=False, highlight=False
+        )
+
+    if not follow:
+        for event in _call("GET", api, token, f"/jobs/{job_id}/events", params={"limit": 1000}):
+            show(event)
+        return
+    _call("GET", api, token, f"/jobs/{job_id}")  # a clear error for an unknown job or a bad token
+    url = f"{api.rstrip('/')}/api/v1/jobs/{job_id}/events/stream"
+    try:
+        with httpx.stream("GET", url, headers={"Authorization": f"Bearer {token}"}, timeout=None) as stream:
+            kind = ""
+            for line in stream.iter_lines():
+                if line.startswith("event: "):
+                    kind = line.removeprefix("event: ")
+                elif line.startswith("data: "):
+                    data = json.loads(line.removeprefix("data: "))
+                    if kind == "end":
+                        out.print(f"job {job_id} is {data['status']}")
+                    else:
+                        show(data)
+    except httpx.HTTPError as exc:
+        _fail(f"the event stream broke off ({type(exc).__name__}); run the command again to continue")
+
+
 # --- tokens: directly on the store (who runs this can read the database anyway) -----------------
 tokens_app = typer.Typer(help="Bearer tokens of the REST API, stored hashed.", no_args_is_help=True)
 DEFAULT_STORE = os.environ.get("MILES_STORE_URL", "sqlite:///.miles/miles.db")
@@ -201,7 +242,7 @@ def tokens_list(
         table.add_column(col)
     for t in list_tokens(Store(store), include_revoked=all_):
         when = [str(x)[:19] if x else "-" for x in (t.created_at, t.last_used_at, t.revoked_at)]
-        table.add_row(str(t.id), t.name, t.scope, t.prefix + "…", *when)
+        table.add_row(str(t.id), escape(t.name), t.scope, t.prefix + "…", *when)
     out.print(table)
 
 
