@@ -97,13 +97,16 @@ def stop_local_ray(data_dir: Path) -> None:
     """Stop a local Ray instance an API server under `data_dir` started and left behind (after kill -9)."""
     import json
 
+    from miles_control.api.launcher import forget_ray_cluster
+
     state = Path(data_dir) / "state" / "ray.json"
     if state.exists():
-        pgid = json.loads(state.read_text())["pgid"]
+        info = json.loads(state.read_text())
         try:
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(info["pgid"], signal.SIGKILL)
         except ProcessLookupError:
             pass
+        forget_ray_cluster(info["address"])
         state.unlink()
 
 
@@ -135,9 +138,7 @@ def ray_cluster_with_dashboard(workdir: Path, num_cpus: int = 2) -> Iterator[str
                 time.sleep(0.5)
         yield url
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(3)
+        from miles_control.api.launcher import forget_ray_cluster, kill_process_group
+
+        kill_process_group(proc.pid)
+        forget_ray_cluster(f"127.0.0.1:{port}")

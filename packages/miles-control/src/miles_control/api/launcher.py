@@ -76,6 +76,27 @@ def _process_start(pid: int) -> float | None:
     return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time in ticks
 
 
+def kill_process_group(pgid: int, grace_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s` (Ray's gcs_server ignores SIGTERM for a long while)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        time.sleep(grace_s)
+
+
+def forget_ray_cluster(address: str) -> None:
+    """`ray start` names its head in /tmp/ray/ray_current_cluster; once it is gone, later Ray clients
+    must not try to join it (`ray stop` removes the file too)."""
+    current = Path("/tmp/ray/ray_current_cluster")
+    try:
+        if current.read_text().strip().rpartition(":")[2] == address.rpartition(":")[2]:
+            current.unlink()
+    except OSError:
+        pass
+
+
 class LocalRay:
     """A Ray head on this machine, started on demand by the first job and shared by all of them.
 
@@ -127,13 +148,9 @@ class LocalRay:
         """Stop the instance this server started (its whole process group; gcs_server ignores SIGTERM)."""
         if self.settings.ray_address or not self.state_file.exists():
             return
-        pgid = json.loads(self.state_file.read_text())["pgid"]
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(3)
+        state = json.loads(self.state_file.read_text())
+        kill_process_group(state["pgid"])
+        forget_ray_cluster(state["address"])
         self.state_file.unlink(missing_ok=True)
 
 

@@ -31,7 +31,9 @@ def ensure_ray(config: RayConfig) -> bool:
     if ray.is_initialized():
         return False
     ray.init(
-        address=config.address,
+        # "local": always a new instance of our own. With None, Ray would join whatever
+        # /tmp/ray/ray_current_cluster names (e.g. the API server's shared head, or a dead one: a hang).
+        address=config.address or "local",
         num_cpus=config.num_cpus if config.address is None else None,
         include_dashboard=False,
         log_to_driver=os.environ.get("MILES_RAY_LOG_TO_DRIVER") == "1",
