@@ -61,6 +61,31 @@ def serve(
     uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
 
 
+def dashboard(
+    api: ApiUrl = DEFAULT_API,
+    token: Annotated[str, typer.Option("--token", envvar="MILES_TOKEN", help="Token (or log in on the page).")] = "",
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8501,
+    app_path: Annotated[
+        Path | None, typer.Option("--app", help="The dashboard's app.py (default: the repository's).")
+    ] = None,
+) -> None:
+    """Run the Streamlit dashboard (jobs, live metrics and timelines, schedule tuning, comparisons)."""
+    import subprocess
+    import sys
+
+    app_file = app_path or Path(__file__).resolve().parents[4] / "apps" / "dashboard" / "app.py"
+    if not app_file.exists():
+        _fail(f"no dashboard at {app_file}: it lives in the repository's apps/dashboard; pass --app PATH", 2)
+    cmd = [
+        sys.executable, "-m", "streamlit", "run", str(app_file), "--server.address", host, "--server.port", str(port),
+        "--server.headless", "true", "--browser.gatherUsageStats", "false",
+    ]  # fmt: skip
+    console.print(f"Miles dashboard on http://{host}:{port} (API {api})")
+    env = {**os.environ, "MILES_API_URL": api, **({"MILES_TOKEN": token} if token else {})}
+    raise typer.Exit(subprocess.call(cmd, env=env))
+
+
 # --- jobs: a client of the API ------------------------------------------------------------------
 jobs_app = typer.Typer(help="Jobs of a running `miles serve`, over its REST API.", no_args_is_help=True)
 
@@ -261,5 +286,6 @@ def tokens_revoke(token_id: int, store: StoreUrl = DEFAULT_STORE) -> None:
 
 def register(app: typer.Typer) -> None:
     app.command()(serve)
+    app.command()(dashboard)
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(tokens_app, name="tokens")

@@ -1,0 +1,78 @@
+"""What every page shares: the API connection (settings or a login form), job selection, formatting."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import streamlit as st
+from client import Api, ApiError
+
+ACTIVE = ("queued", "starting", "running")
+STATUS_COLORS = {
+    "queued": "gray", "starting": "blue", "running": "blue",
+    "succeeded": "green", "failed": "red", "cancelled": "orange",
+}  # fmt: skip
+
+
+def api() -> Api:
+    """The API client of this session: MILES_API_URL / MILES_TOKEN, or what the sidebar form was given."""
+    state = st.session_state
+    state.setdefault("api_url", os.environ.get("MILES_API_URL", "http://127.0.0.1:8420"))
+    state.setdefault("token", os.environ.get("MILES_TOKEN", ""))
+    with st.sidebar.expander("Connection", expanded=not state.token):
+        url = st.text_input("API URL", value=state.api_url, key="api_url_input")
+        token = st.text_input("Token", value=state.token, type="password", key="token_input")
+        if st.button("Connect", key="connect"):
+            state.api_url, state.token = url.strip(), token.strip()
+            st.rerun()
+    if not state.token:
+        st.info("Give the API URL and a token (`miles tokens create --name me --scope admin`) in the sidebar.")
+        st.stop()
+    client = Api(state.api_url, state.token)
+    try:
+        client.jobs(limit=1)
+    except ApiError as exc:
+        st.error(f"Cannot use the Miles API at {state.api_url}: {exc.message}")
+        st.stop()
+    return client
+
+
+def status_text(status: str) -> str:
+    return f":{STATUS_COLORS.get(status, 'gray')}[**{status}**]"
+
+
+def parse_time(value: str) -> datetime:
+    moment = datetime.fromisoformat(value)
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)  # the store writes UTC
+
+
+def age(value: str) -> str:
+    seconds = (datetime.now(timezone.utc) - parse_time(value)).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{max(seconds, 0):.0f} s ago"
+
+
+def choose_job(client: Api, label: str = "Job", only_active: bool = False) -> dict | None:
+    """A job picker; remembers the choice across pages (and reads ?job= from the URL)."""
+    page = client.jobs(status=list(ACTIVE) if only_active else None, limit=200)
+    jobs = page["items"]
+    if not jobs:
+        st.info("No active jobs." if only_active else "No jobs yet: launch one on the Jobs page.")
+        return None
+    wanted = st.query_params.get("job") or st.session_state.get("job_id")
+    ids = [j["id"] for j in jobs]
+    index = ids.index(int(wanted)) if wanted and str(wanted).isdigit() and int(wanted) in ids else 0
+    chosen = st.selectbox(
+        label, jobs, index=index, format_func=lambda j: f"#{j['id']} {j['name']} ({j['status']})", key=f"pick-{label}"
+    )
+    st.session_state["job_id"] = chosen["id"]
+    return chosen
+
+
+def presets_dir() -> Path:
+    """Job spec presets: MILES_PRESETS_DIR, else the repository's examples/."""
+    return Path(os.environ.get("MILES_PRESETS_DIR", Path(__file__).resolve().parents[2] / "examples"))

@@ -1,0 +1,72 @@
+"""Compare: runs of the same workload side by side (e.g. sync vs fully_async): reward and accuracy
+against wall time, time breakdown, a summary table, and the schedule bench report when one exists."""
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+from charts import breakdown, breakdown_chart, metrics_frame, series_chart
+from common import api
+
+client = api()
+st.title("Compare runs")
+jobs = client.jobs(limit=200)["items"]
+if len(jobs) < 1:
+    st.info("No jobs yet.")
+    st.stop()
+finished = [j for j in jobs if j["last_step"]]
+chosen = st.multiselect(
+    "Jobs", jobs, default=finished[:2], format_func=lambda j: f"#{j['id']} {j['name']} ({j['schedule']})", key="cmp"
+)
+if chosen:
+    curves, shares, rows = [], [], []
+    for job in chosen:
+        label = f"#{job['id']} {job['schedule']}"
+        points = metrics_frame(client.metrics(job["id"], ["rollout/reward_mean", "eval/accuracy"]))
+        steps = client.steps(job["id"])
+        start = min((s["started_at"] for s in steps), default=None)
+        if start is not None and not points.empty:
+            curves.append(points.assign(run=label, seconds=points["wall_time"] - start))
+        per, wall = breakdown(client.spans(job["id"]))
+        shares.append(per.assign(run=label))
+        sync = [s for s in client.spans(job["id"]) if s["stage"] == "weight_sync"]
+        accuracy = points[points["name"] == "eval/accuracy"]
+        rows.append(
+            {
+                "run": label,
+                "status": job["status"],
+                "steps": job["last_step"] or 0,
+                "wall s": round(wall, 1),
+                "steps/min": round(60 * (job["last_step"] or 0) / wall, 2) if wall else None,
+                "weight update ms (mean)": round(
+                    1000 * sum(s["end"] - s["start"] for s in sync) / len(sync), 1) if sync else None,
+                "final accuracy": round(float(accuracy["value"].iloc[-1]), 3) if not accuracy.empty else None,
+            }
+        )  # fmt: skip
+    st.dataframe(pd.DataFrame(rows), hide_index=True, use_container_width=True)
+    if curves:
+        df = pd.concat(curves)
+        for name, title in (("rollout/reward_mean", "reward (mean)"), ("eval/accuracy", "held-out accuracy")):
+            part = df[df["name"] == name]
+            if not part.empty:
+                st.altair_chart(
+                    series_chart(part, "seconds", "wall time since the first step (s)", title, color="run"),
+                    use_container_width=True,
+                )
+    both = pd.concat(shares) if shares else pd.DataFrame()
+    if not both.empty:
+        st.subheader("Time breakdown")
+        st.altair_chart(breakdown_chart(both, by="run"))
+
+st.subheader("Schedule bench report")
+folder = Path(
+    st.text_input("Folder of `miles bench schedules --out`", os.environ.get("MILES_BENCH_DIR", "bench-schedules"))
+)
+report = folder / "report.md"
+if report.exists():
+    st.markdown(report.read_text())
+    for image in sorted(folder.glob("*.png")):
+        st.image(str(image), caption=image.name)
+else:
+    st.caption(f"No report at {report} (run `miles bench schedules CONFIG --out {folder}`).")

@@ -1,0 +1,125 @@
+"""Job: live metrics, the per-stage timeline, time breakdown, throughput, weight-update latency,
+samples and events; refreshed every few seconds while the job runs."""
+
+import pandas as pd
+import streamlit as st
+from charts import KEY_METRICS, breakdown, breakdown_chart, gantt, metric_grid, metrics_frame, series_chart, spans_frame
+from client import ApiError
+from common import ACTIVE, api, choose_job, status_text
+
+client = api()
+st.title("Job")
+picked = choose_job(client)
+if picked is None:
+    st.stop()
+job_id = picked["id"]
+refresh = st.sidebar.toggle("Auto refresh while active", value=True, key="auto_refresh")
+
+
+@st.fragment(run_every=3 if refresh and picked["status"] in ACTIVE else None)
+def show() -> None:
+    job = client.job(job_id)
+    head, actions = st.columns([4, 1])
+    head.markdown(
+        f"### #{job['id']} {job['name']} · {status_text(job['status'])} · `{job['schedule']}` · "
+        f"step {job['last_step'] or 0}/{job['num_steps']}"
+    )
+    head.progress(min(1.0, (job["last_step"] or 0) / max(job["num_steps"], 1)))
+    if job["error"]:
+        head.error(job["error"])
+    if job["status"] in ACTIVE and actions.button("Cancel", key="cancel"):
+        _act(lambda: client.cancel(job_id), "cancel requested")
+    if job["resumable"] and actions.button("Resume", key="resume"):
+        _act(lambda: client.resume(job_id), "queued again")
+
+    tabs = st.tabs(["Metrics", "Timeline", "Time breakdown", "Throughput", "Weight sync", "Samples", "Events"])
+    points = metrics_frame(client.metrics(job_id))
+    changes = client.schedule_changes(job_id)
+    with tabs[0]:
+        names = sorted(points["name"].unique())
+        default = [n for n in KEY_METRICS if n in names] or names[:6]
+        chosen = st.multiselect("Metrics", names, default=default, key="metric_names")
+        grid = metric_grid(points, chosen, changes)
+        if grid is None:
+            st.info("No metrics yet.")
+        else:
+            st.altair_chart(grid)
+            st.caption("Dashed lines: schedule changes, at the step they applied.")
+    with tabs[1]:
+        _timeline(job, changes)
+    spans = client.spans(job_id)
+    with tabs[2]:
+        per, wall = breakdown(spans)
+        if per.empty:
+            st.info("No spans yet.")
+        else:
+            st.altair_chart(breakdown_chart(per), use_container_width=True)
+            idle = per.loc[per["kind"] != "work", "seconds"].sum()
+            work = per.loc[per["kind"] == "work", "seconds"].sum()
+            note = " (stages overlapped: shares add up to more than 100 %)" if work > wall * 1.01 else ""
+            st.markdown(f"Wall time **{wall:,.1f} s**; work {work:,.1f} s; trainer idle {idle:,.1f} s{note}.")
+            st.dataframe(per.style.format({"seconds": "{:,.2f}", "share": "{:.1%}"}), hide_index=True)
+    with tabs[3]:
+        rates = points[points["name"].isin(["rollout/tokens_per_s", "train/tokens_per_s"])]
+        if rates.empty:
+            st.info("No throughput yet.")
+        else:
+            st.altair_chart(series_chart(rates, "step", "step", "tokens/s", color="name"), use_container_width=True)
+    with tabs[4]:
+        sync = [s for s in spans if s["stage"] == "weight_sync"]
+        if not sync:
+            st.info("No weight updates yet.")
+        else:
+            df = pd.DataFrame(
+                {"step": [s["step"] for s in sync], "value": [(s["end"] - s["start"]) * 1000 for s in sync]}
+            )
+            st.altair_chart(series_chart(df, "step", "step", "weight update latency (ms)"), use_container_width=True)
+            st.markdown(
+                f"{len(df)} updates: mean **{df['value'].mean():,.1f} ms**, p50 {df['value'].median():,.1f} ms, "
+                f"max {df['value'].max():,.1f} ms; {sync[-1]['num_bytes'] / 1e6:,.2f} MB via "
+                f"`{sync[-1]['attrs'].get('transport', '?')}`."
+            )
+    with tabs[5]:
+        samples = client.samples(job_id, limit=400)
+        if not samples:
+            st.info("No samples yet.")
+        else:
+            steps = sorted({s["step"] for s in samples}, reverse=True)
+            step = st.selectbox("Step", steps, key="sample_step")
+            st.dataframe(pd.DataFrame([s for s in samples if s["step"] == step]), hide_index=True)
+    with tabs[6]:
+        events = client.events(job_id)
+        st.dataframe(
+            pd.DataFrame(events, columns=["created_at", "kind", "step", "message"]),
+            hide_index=True,
+            use_container_width=True,
+        )
+
+
+def _act(call, done: str) -> None:
+    try:
+        call()
+        st.toast(done)
+    except ApiError as exc:
+        st.error(exc.message)
+
+
+def _timeline(job: dict, changes: list[dict]) -> None:
+    last = job["last_step"] or 0
+    if last < 1:
+        st.info("No steps yet.")
+        return
+    low, high = (1, last) if last == 1 else st.slider("Steps", 1, last, (max(1, last - 9), last), key="timeline_steps")
+    df = spans_frame(client.spans(job["id"], step_min=low, step_max=high))
+    if df.empty:
+        st.info("No spans in these steps.")
+        return
+    st.altair_chart(gantt(df), use_container_width=True)
+    counts = df.groupby("stage").size().to_dict()
+    st.markdown("Spans shown: " + ", ".join(f"**{stage}** {n}" for stage, n in sorted(counts.items())))
+    applied = [c for c in changes if c["applied_step"] is not None and low <= c["applied_step"] <= high]
+    for c in applied:
+        st.markdown(f"Schedule change before step {c['applied_step']}: `{c['patch']}`")
+
+
+show()

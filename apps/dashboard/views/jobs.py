@@ -1,0 +1,73 @@
+"""Jobs: the list (status, schedule, progress, age; filters) and launching from a preset or YAML."""
+
+import pandas as pd
+import streamlit as st
+from client import ApiError
+from common import ACTIVE, age, api, presets_dir
+from specs import SpecSyntaxError, field_line, parse_yaml
+
+client = api()
+st.title("Jobs")
+
+left, right = st.columns([2, 1])
+statuses = left.multiselect(
+    "Status", ["queued", "starting", "running", "succeeded", "failed", "cancelled"], key="filter_status"
+)
+name = right.text_input("Name contains", key="filter_name")
+page = client.jobs(status=statuses or None, name=name or None, limit=200)
+jobs = page["items"]
+st.caption(f"{page['total']} job(s); {sum(j['status'] in ACTIVE for j in jobs)} active")
+if jobs:
+    table = pd.DataFrame(
+        [
+            {
+                "id": j["id"],
+                "name": j["name"],
+                "status": j["status"],
+                "schedule": j["schedule"],
+                "progress": (j["last_step"] or 0) / max(j["num_steps"], 1),
+                "step": f"{j['last_step'] or 0}/{j['num_steps']}",
+                "created": age(j["created_at"]),
+                "error": j["error"] or "",
+            }
+            for j in jobs
+        ]
+    )
+    st.dataframe(
+        table,
+        hide_index=True,
+        use_container_width=True,
+        column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0, max_value=1)},
+    )
+    chosen = st.selectbox("Open", jobs, format_func=lambda j: f"#{j['id']} {j['name']} ({j['status']})", key="open")
+    if st.button("Open job", key="open_job"):
+        st.session_state["job_id"] = chosen["id"]
+        st.switch_page("views/job.py")
+else:
+    st.info("No jobs match." if statuses or name else "No jobs yet: launch one below.")
+
+st.header("Launch")
+presets = sorted(presets_dir().glob("*.yaml"))
+names = [p.stem for p in presets]
+preset = st.selectbox("Preset", names, index=names.index("quick") if "quick" in names else 0, key="preset")
+if st.session_state.get("loaded_preset") != preset and presets:
+    st.session_state["spec_yaml"] = (presets_dir() / f"{preset}.yaml").read_text()
+    st.session_state["loaded_preset"] = preset
+text = st.text_area("Job spec (YAML)", key="spec_yaml", height=360)
+if st.button("Launch", type="primary", key="launch"):
+    try:
+        created = client.create_job(parse_yaml(text))
+    except SpecSyntaxError as exc:
+        st.error(f"Invalid YAML: {exc}")
+    except ApiError as exc:
+        if exc.fields:
+            st.error("The API refused the spec:")
+            for path, msg in exc.fields.items():
+                line = field_line(text, path)
+                st.markdown(f"- {'line ' + str(line) + ' · ' if line else ''}`{path}`: {msg}")
+        else:
+            st.error(exc.message)
+    else:
+        st.session_state["job_id"] = created["id"]
+        st.success(f"Job #{created['id']} ({created['name']}) is {created['status']}.")
+        st.page_link("views/job.py", label=f"Watch job #{created['id']}", icon=":material/monitoring:")

@@ -1,0 +1,76 @@
+"""Tune: change the live schedule fields of a running job (with a confirmation) and see the history."""
+
+import pandas as pd
+import streamlit as st
+from charts import metric_grid, metrics_frame
+from client import ApiError
+from common import api, choose_job, status_text
+
+LIVE = ("update_weights_interval", "max_staleness", "pause_mode", "buffer_groups")
+client = api()
+st.title("Tune a running job")
+picked = choose_job(client, only_active=True)
+if picked is None:
+    st.stop()
+job = client.job(picked["id"])
+changes = client.schedule_changes(job["id"])
+current = {k: job["spec"]["schedule"].get(k) for k in LIVE}
+for change in changes:  # what the job runs with now: its spec plus the changes it applied
+    if change["status"] == "applied":
+        current.update(change["patch"])
+st.markdown(f"#{job['id']} {job['name']} · {status_text(job['status'])} · `{job['schedule']}`")
+st.caption(
+    "Changes apply at the job's next step boundary and are recorded. `max_staleness` and `buffer_groups` "
+    "matter for fully_async; `update_weights_interval` for one_step_off and fully_async."
+)
+
+with st.form("schedule"):
+    a, b = st.columns(2)
+    interval = a.number_input("update_weights_interval", min_value=1, value=int(current["update_weights_interval"]))
+    staleness = b.number_input("max_staleness", min_value=0, value=int(current["max_staleness"]))
+    modes = ["in_place", "retract", "abort"]
+    mode = a.selectbox("pause_mode", modes, index=modes.index(current["pause_mode"]))
+    buffer = b.number_input(
+        "buffer_groups (0 = two steps' worth)", min_value=0, value=int(current["buffer_groups"] or 0)
+    )
+    reviewed = st.form_submit_button("Review change")
+if reviewed:
+    wanted = {"update_weights_interval": interval, "max_staleness": staleness, "pause_mode": mode}
+    if buffer:
+        wanted["buffer_groups"] = buffer
+    patch = {k: v for k, v in wanted.items() if v != current[k]}
+    st.session_state["pending_patch"] = (job["id"], patch)
+pending = st.session_state.get("pending_patch")
+if pending and pending[0] == job["id"]:
+    patch = pending[1]
+    if not patch:
+        st.info("Nothing differs from what the job runs with.")
+    else:
+        st.warning("Apply " + ", ".join(f"**{k}**: {current[k]} → {v}" for k, v in patch.items()) + "?")
+        ok, cancel = st.columns(8)[:2]
+        if ok.button("Confirm", type="primary", key="confirm"):
+            try:
+                change = client.patch_schedule(job["id"], patch)
+                st.success(f"Change {change['id']} queued: it applies at the job's next step.")
+                changes = client.schedule_changes(job["id"])
+            except ApiError as exc:
+                st.error(exc.message)
+            st.session_state.pop("pending_patch", None)
+        if cancel.button("Cancel", key="cancel_change"):
+            st.session_state.pop("pending_patch", None)
+            st.rerun()
+
+st.subheader("History")
+if changes:
+    st.dataframe(
+        pd.DataFrame(changes, columns=["id", "requested_at", "patch", "status", "applied_step", "message"]),
+        hide_index=True,
+        use_container_width=True,
+    )
+    points = metrics_frame(client.metrics(job["id"], ["rollout/reward_mean", "eval/accuracy", "step/wall_s"]))
+    grid = metric_grid(points, sorted(points["name"].unique()), changes)
+    if grid is not None:
+        st.altair_chart(grid)
+        st.caption("Dashed lines: the changes, at the step they applied.")
+else:
+    st.info("No changes yet.")

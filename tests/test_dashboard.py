@@ -1,0 +1,137 @@
+"""The dashboard's pages (streamlit AppTest) against a real `miles serve` (launcher off) on a seeded store."""
+
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from miles_control.store import JobStatus, Store
+from miles_control.store.tokens import create_token
+from miles_control.testing import ApiServer
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "apps" / "dashboard" / "app.py"
+
+
+def seed_run(store: Store, name: str, schedule: str, num_steps: int, final: JobStatus) -> int:
+    spec = {"name": name, "schedule": {"type": schedule, "num_steps": num_steps, "update_weights_interval": 1,
+            "max_staleness": 1, "pause_mode": "in_place", "buffer_groups": None}}  # fmt: skip
+    job = store.create_job(name, spec, source="api")
+    store.set_status(job, JobStatus.STARTING)
+    store.set_status(job, JobStatus.RUNNING)
+    t = time.time() - 100
+    for step in range(1, 6):
+        base = t + step * 4
+        store.add_spans(
+            job,
+            [
+                dict(stage="rollout", step=step, worker="rollout-0", start=base, end=base + 1.5, num_tokens=500),
+                dict(stage="reward", step=step, worker="rollout-0", start=base + 1.5, end=base + 1.6),
+                dict(stage="train", step=step, worker="trainer", start=base + 1.6, end=base + 3.0, num_tokens=800),
+                dict(stage="weight_sync", step=step, worker="trainer->rollout-0", start=base + 3.0, end=base + 3.05,
+                     num_bytes=4_000_000, attrs={"transport": "disk"}),
+            ],
+        )  # fmt: skip
+        store.add_step(job, step, step, base, base + 3.05)
+        store.add_metrics(job, step, {"rollout/reward_mean": 0.1 * step, "train/loss": 1.0 / step,
+                                      "rollout/tokens_per_s": 333.0, "train/tokens_per_s": 570.0})  # fmt: skip
+        store.add_samples(job, step, [dict(prompt="12+30=", response="42", label="42", reward=1.0, status="completed")])
+    store.add_metrics(job, 5, {"eval/accuracy": 0.5})
+    if final != JobStatus.RUNNING:
+        store.set_status(job, final)
+    return job
+
+
+@pytest.fixture(scope="module")
+def dashboard_api(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dash")
+    url = f"sqlite:///{tmp}/miles.db"
+    store = Store(url)
+    _, token = create_token(store, "dash", "admin")
+    done = seed_run(store, "sync-run", "sync", 5, JobStatus.SUCCEEDED)
+    running = seed_run(store, "async-run", "fully_async", 50, JobStatus.RUNNING)
+    server = ApiServer(url, tmp, launcher="off").start()
+    yield {"url": server.url, "token": token, "store": store, "done": done, "running": running}
+    server.stop()
+
+
+@pytest.fixture
+def app(dashboard_api, monkeypatch):
+    monkeypatch.setenv("MILES_API_URL", dashboard_api["url"])
+    monkeypatch.setenv("MILES_TOKEN", dashboard_api["token"])
+    return AppTest.from_file(str(APP), default_timeout=60)
+
+
+def texts(at: AppTest) -> str:
+    return "\n".join([m.value for m in at.markdown] + [m.value for m in at.caption] + [t.value for t in at.title])
+
+
+def test_jobs_page_lists_jobs_and_places_api_errors_on_yaml_lines(app, dashboard_api):
+    at = app.run()
+    assert not at.exception
+    [table] = [d for d in at.dataframe]
+    assert set(table.value["name"]) == {"sync-run", "async-run"}
+    assert set(table.value["status"]) == {"succeeded", "running"}
+    assert "2 job(s); 1 active" in texts(at)
+    at.multiselect(key="filter_status").set_value(["running"]).run()
+    assert list(at.dataframe[0].value["name"]) == ["async-run"]
+
+    at.text_area(key="spec_yaml").set_value("name: bad\nrollout:\n  sampling:\n    top_p: 5\n").run()
+    at.button(key="launch").click().run()
+    assert "line 4 · `rollout.sampling.top_p`: Input should be less than or equal to 1" in texts(at)
+    at.text_area(key="spec_yaml").set_value("name: [unclosed\n").run()
+    at.button(key="launch").click().run()
+    assert any("Invalid YAML: line" in e.value for e in at.error)
+    at.selectbox(key="preset").set_value("arithmetic").run()  # choosing a preset loads it into the editor
+    assert "name: arithmetic-grpo" in at.text_area(key="spec_yaml").value
+    at.selectbox(key="preset").set_value("quick").run()
+    assert "name: arithmetic-quick" in at.text_area(key="spec_yaml").value
+    at.button(key="launch").click().run()
+    assert any("is queued" in s.value for s in at.success), [e.value for e in at.error]
+    created = max(j.id for j in dashboard_api["store"].jobs()[0])
+    assert dashboard_api["store"].job(created).name == "arithmetic-quick"
+
+
+def test_job_page_shows_timeline_breakdown_sync_samples(app, dashboard_api):
+    at = app.run()
+    at.switch_page("views/job.py")
+    at.session_state["job_id"] = dashboard_api["done"]
+    at.run()
+    assert not at.exception
+    body = texts(at)
+    assert "sync-run" in body and "succeeded" in body and "step 5/5" in body
+    assert "Spans shown: **reward** 5, **rollout** 5, **train** 5, **weight_sync** 5" in body
+    assert "Wall time **" in body and "trainer idle" in body
+    assert "5 updates: mean **50.0 ms**" in body and "via `disk`" in body
+    assert len(at.get("vega_lite_chart")) >= 4  # metrics, timeline, breakdown, throughput, sync
+    samples = [d.value for d in at.dataframe if "response" in d.value.columns]
+    assert samples and samples[0]["response"].tolist() == ["42"]
+
+
+def test_tune_page_asks_for_confirmation_then_records_the_change(app, dashboard_api):
+    at = app.run()
+    at.switch_page("views/tune.py")
+    at.session_state["job_id"] = dashboard_api["running"]
+    at.run()
+    assert not at.exception
+    assert "async-run" in texts(at)
+    interval = next(n for n in at.number_input if n.label == "update_weights_interval")
+    interval.set_value(2)
+    at.button[0].click().run()  # the form's "Review change"
+    assert any("update_weights_interval**: 1 → 2" in w.value for w in at.warning)
+    assert dashboard_api["store"].schedule_changes(dashboard_api["running"]) == []  # not before confirming
+    at.button(key="confirm").click().run()
+    assert any("queued" in s.value for s in at.success), [e.value for e in at.error]
+    [change] = dashboard_api["store"].schedule_changes(dashboard_api["running"])
+    assert change.patch == {"update_weights_interval": 2} and change.status == "pending"
+
+
+def test_compare_page_puts_runs_side_by_side(app, dashboard_api):
+    at = app.run()
+    at.switch_page("views/compare.py").run()
+    assert not at.exception
+    [summary] = [d.value for d in at.dataframe if "run" in d.value.columns]
+    assert sorted(summary["steps"].tolist()) == [5, 5] and summary["weight update ms (mean)"].tolist() == [50.0, 50.0]
+    assert len(at.get("vega_lite_chart")) >= 2
+    assert "No report at" in texts(at)
