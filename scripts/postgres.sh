@@ -14,8 +14,10 @@ if ! command -v pg_ctlcluster >/dev/null; then
     log "PostgreSQL is not installed and this script can only install it as root with apt-get"; exit 1
   fi
   log "installing postgresql from Debian packages"
-  apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >&2
+  log_file="$(mktemp)"
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; } >"$log_file" 2>&1; then
+    cat "$log_file" >&2; exit 1
+  fi
 fi
 VERSION="$(ls /usr/lib/postgresql | sort -V | tail -1)"
 if ! pg_lsclusters -h | awk '{print $1" "$2}' | grep -q "^$VERSION main$"; then

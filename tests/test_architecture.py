@@ -113,3 +113,14 @@ def test_each_package_builds_a_wheel_alone(dist, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     module = dist.replace("-", "_")
     assert f"{module}/__init__.py" in names and f"{module}/config.py" in names
+
+
+def test_the_dashboard_talks_to_the_api_only():
+    """apps/dashboard imports no Miles package and no torch: everything it shows comes over REST."""
+    app = ROOT / "apps" / "dashboard"
+    local = {p.stem for p in app.glob("*.py")}
+    allowed = {"streamlit", "altair", "pandas", "httpx", "yaml"} | local
+    used = imports_of(app)
+    offenders = {f: sorted(n - allowed - set(sys.stdlib_module_names)) for f, n in used.items()}
+    offenders = {f: n for f, n in offenders.items() if n}
+    assert used and not offenders, f"the dashboard may use only {sorted(allowed)} and the stdlib: {offenders}"

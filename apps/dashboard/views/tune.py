@@ -1,6 +1,5 @@
 """Tune: change the live schedule fields of a running job (with a confirmation) and see the history."""
 
-import pandas as pd
 import streamlit as st
 from charts import metric_grid, metrics_frame
 from client import ApiError
@@ -62,11 +61,10 @@ if pending and pending[0] == job["id"]:
 
 st.subheader("History")
 if changes:
-    st.dataframe(
-        pd.DataFrame(changes, columns=["id", "requested_at", "patch", "status", "applied_step", "message"]),
-        hide_index=True,
-        use_container_width=True,
-    )
+    for c in reversed(changes):
+        patch = ", ".join(f"{k} = {v}" for k, v in c["patch"].items())
+        where = f"before step {c['applied_step']}" if c["applied_step"] is not None else "at the next step"
+        st.markdown(f"- change {c['id']}: `{patch}` · **{c['status']}** {where} · {c['message'] or ''}")
     points = metrics_frame(client.metrics(job["id"], ["rollout/reward_mean", "eval/accuracy", "step/wall_s"]))
     grid = metric_grid(points, sorted(points["name"].unique()), changes)
     if grid is not None:

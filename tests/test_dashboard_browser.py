@@ -1,0 +1,144 @@
+"""The dashboard in a real browser (Playwright driving Debian's Chromium) against a real API that runs
+real jobs: launch from the UI, watch it succeed, open its timeline, tune a running job.
+
+Screenshots go to artifacts/screenshots/ (ignored by git)."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from miles_control.store import Store
+from miles_control.store.tokens import create_token
+from miles_control.testing import ApiServer, free_port, stop_local_ray
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "artifacts" / "screenshots"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.browser,
+    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/browser.sh installs it)"),
+]
+
+
+@pytest.fixture
+def stack(tmp_path):
+    """A store, an API server that launches real jobs, and the dashboard, all on loopback."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    url = f"sqlite:///{tmp_path}/miles.db"
+    store = Store(url)
+    _, token = create_token(store, "browser", "admin")
+    api = ApiServer(url, tmp_path, poll_interval_s="0.3", cpus="2").start()
+    port = free_port()
+    env = {**os.environ, "MILES_API_URL": api.url, "MILES_TOKEN": token}
+    log = open(tmp_path / "dashboard.log", "ab")
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(ROOT / "apps" / "dashboard" / "app.py"),
+         "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            if httpx.get(f"{base}/_stcore/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline and ui.poll() is None, (tmp_path / "dashboard.log").read_text()[-3000:]
+        time.sleep(0.5)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        page.set_default_timeout(60_000)
+        try:
+            yield {"page": page, "base": base, "api": api, "token": token, "store": store}
+        finally:
+            browser.close()
+            ui.terminate()
+            ui.wait(timeout=20)
+            api.stop()
+            stop_local_ray(tmp_path)
+
+
+def shot(page, name: str) -> None:
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def wait_text(page, pattern: str, timeout_s: float = 240) -> None:
+    page.get_by_text(re.compile(pattern)).first.wait_for(timeout=timeout_s * 1000)
+
+
+def test_launch_watch_timeline_and_tune_in_a_browser(stack):
+    page, base = stack["page"], stack["base"]
+    page.goto(base)
+    wait_text(page, "^Jobs$")
+    wait_text(page, "No jobs yet")
+    shot(page, "1-jobs-empty")
+    spec = page.get_by_label("Job spec (YAML)")
+    assert "name: arithmetic-quick" in spec.input_value()  # the default preset
+    page.get_by_role("button", name="Launch").click()
+    wait_text(page, r"Job #1 \(arithmetic-quick\) is queued")
+    shot(page, "2-jobs-launched")
+
+    page.get_by_role("link", name="Watch job #1").click()
+    wait_text(page, r"#1 arithmetic-quick")
+    wait_text(page, "succeeded")  # the page refreshes itself while the job is active
+    wait_text(page, "step 10/10")
+    shot(page, "3-job-metrics")
+    page.get_by_role("tab", name="Timeline").click()
+    spans = page.get_by_text(re.compile("^Spans shown:")).first
+    spans.wait_for()
+    shown = spans.inner_text()
+    for stage in ("rollout", "reward", "train", "weight_sync"):
+        assert stage in shown, shown
+    shot(page, "4-job-timeline")
+    page.get_by_role("tab", name="Time breakdown").click()
+    wait_text(page, "Wall time")
+    shot(page, "5-job-breakdown")
+
+    # A running job: tune it from the Tune page and see the change recorded.
+    spec_data = yaml.safe_load((ROOT / "examples" / "quick.yaml").read_text())
+    spec_data.update(name="tune-me")
+    spec_data["schedule"].update(num_steps=200, checkpoint_every=0)
+    headers = {"Authorization": f"Bearer {stack['token']}"}
+    created = httpx.post(f"{stack['api'].url}/api/v1/jobs", json={"spec": spec_data}, headers=headers).json()
+    deadline = time.time() + 180
+    while httpx.get(f"{stack['api'].url}/api/v1/jobs/{created['id']}", headers=headers).json()["status"] != "running":
+        assert time.time() < deadline
+        time.sleep(0.5)
+    page.goto(f"{base}/tune")
+    wait_text(page, "tune-me")
+    field = page.get_by_label("update_weights_interval")
+    field.fill("3")
+    field.press("Tab")
+    page.get_by_role("button", name="Review change").click()
+    wait_text(page, "update_weights_interval")
+    page.get_by_role("button", name="Confirm").click()
+    wait_text(page, "it applies at the job's next step")
+    for _ in range(60):  # the change applies at the job's next step; the page shows it once reloaded
+        page.reload()
+        wait_text(page, "tune-me")
+        if page.get_by_text(re.compile(r"applied.*before step \d+")).count():
+            break
+        time.sleep(1)
+    wait_text(page, r"update_weights_interval = 3.*applied", timeout_s=5)
+    shot(page, "6-tune-applied")
+    [change] = stack["store"].schedule_changes(created["id"])
+    assert change.status == "applied" and change.patch == {"update_weights_interval": 3}
+    httpx.post(f"{stack['api'].url}/api/v1/jobs/{created['id']}/cancel", headers=headers)
+
+    page.goto(f"{base}/compare")
+    wait_text(page, "Compare runs")
+    shot(page, "7-compare")
