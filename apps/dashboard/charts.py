@@ -51,7 +51,7 @@ def metric_grid(df: pd.DataFrame, names: list[str], changes: list[dict] | None =
         .mark_line(point=alt.OverlayMarkDef(size=18))
         .encode(
             x=alt.X("step:Q", title="step"),
-            y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
+            y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False), axis=alt.Axis(format="~g")),
             tooltip=["name:N", "step:Q", alt.Tooltip("value:Q", format=".4g")],
         )
     )
@@ -64,7 +64,7 @@ def metric_grid(df: pd.DataFrame, names: list[str], changes: list[dict] | None =
         )
     return (
         alt.layer(*layers, data=df)
-        .properties(width=300, height=170)
+        .properties(width=250, height=160)
         .facet(facet=alt.Facet("label:N", title=None), columns=3)
         .resolve_scale(y="independent")
     )
@@ -91,10 +91,10 @@ def gantt(df: pd.DataFrame) -> alt.Chart:
             x=alt.X("start_s:Q", title="seconds since the first span shown"),
             x2="end_s:Q",
             y=alt.Y("worker:N", title=None),
-            color=alt.Color("stage:N", scale=stage_scale(), legend=alt.Legend(orient="bottom", title="stage")),
+            color=alt.Color("stage:N", scale=stage_scale(), legend=alt.Legend(orient="right", title="stage")),
             tooltip=["stage:N", "step:Q", "worker:N", alt.Tooltip("duration_ms:Q", format=",.1f", title="ms")],
         )
-        .properties(height=max(120, 40 * df["worker"].nunique()), width="container")
+        .properties(height=60 * df["worker"].nunique() + 40)
         .interactive(bind_y=False)
     )
 
@@ -122,7 +122,7 @@ def breakdown_chart(per: pd.DataFrame, by: str | None = None) -> alt.Chart:
     chart = alt.Chart(per).mark_bar().encode(**encode)
     if by:
         return chart.properties(width=260, height=160).facet(column=alt.Column(f"{by}:N", title=None))
-    return chart.properties(height=max(120, 28 * len(per)), width="container")
+    return chart.properties(height=max(120, 32 * len(per)))
 
 
 def series_chart(df: pd.DataFrame, x: str, x_title: str, y_title: str, color: str | None = None) -> alt.Chart:
@@ -132,11 +132,7 @@ def series_chart(df: pd.DataFrame, x: str, x_title: str, y_title: str, color: st
         tooltip=[f"{x}:Q", alt.Tooltip("value:Q", format=".4g")] + ([f"{color}:N"] if color else []),
     )
     if color:
-        encode["color"] = alt.Color(f"{color}:N", title=None, legend=alt.Legend(orient="bottom"))
+        encode["color"] = alt.Color(f"{color}:N", title=None, legend=alt.Legend(orient="right"))
     return (
-        alt.Chart(df)
-        .mark_line(point=alt.OverlayMarkDef(size=15))
-        .encode(**encode)
-        .properties(height=260, width="container")
-        .interactive()
+        alt.Chart(df).mark_line(point=alt.OverlayMarkDef(size=15)).encode(**encode).properties(height=280).interactive()
     )

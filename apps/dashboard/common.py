@@ -56,7 +56,7 @@ def age(value: str) -> str:
     return f"{max(seconds, 0):.0f} s ago"
 
 
-def choose_job(client: Api, label: str = "Job", only_active: bool = False) -> dict | None:
+def choose_job(client: Api, label: str = "Job", only_active: bool = False, show_status: bool = True) -> dict | None:
     """A job picker; remembers the choice across pages (and reads ?job= from the URL)."""
     page = client.jobs(status=list(ACTIVE) if only_active else None, limit=200)
     jobs = page["items"]
@@ -67,7 +67,11 @@ def choose_job(client: Api, label: str = "Job", only_active: bool = False) -> di
     ids = [j["id"] for j in jobs]
     index = ids.index(int(wanted)) if wanted and str(wanted).isdigit() and int(wanted) in ids else 0
     chosen = st.selectbox(
-        label, jobs, index=index, format_func=lambda j: f"#{j['id']} {j['name']} ({j['status']})", key=f"pick-{label}"
+        label,
+        jobs,
+        index=index,
+        format_func=lambda j: f"#{j['id']} {j['name']}" + (f" ({j['status']})" if show_status else ""),
+        key=f"pick-{label}",
     )
     st.session_state["job_id"] = chosen["id"]
     return chosen

@@ -44,7 +44,7 @@ if chosen:
                 "final accuracy": round(float(accuracy["value"].iloc[-1]), 3) if not accuracy.empty else None,
             }
         )  # fmt: skip
-    st.dataframe(pd.DataFrame(rows), hide_index=True, use_container_width=True)
+    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
     if curves:
         df = pd.concat(curves)
         for name, title in (("rollout/reward_mean", "reward (mean)"), ("eval/accuracy", "held-out accuracy")):
@@ -52,7 +52,7 @@ if chosen:
             if not part.empty:
                 st.altair_chart(
                     series_chart(part, "seconds", "wall time since the first step (s)", title, color="run"),
-                    use_container_width=True,
+                    width="stretch",
                 )
     both = pd.concat(shares) if shares else pd.DataFrame()
     if not both.empty:

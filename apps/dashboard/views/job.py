@@ -9,7 +9,7 @@ from common import ACTIVE, api, choose_job, status_text
 
 client = api()
 st.title("Job")
-picked = choose_job(client)
+picked = choose_job(client, show_status=False)  # the status is in the header, which refreshes
 if picked is None:
     st.stop()
 job_id = picked["id"]
@@ -38,10 +38,11 @@ def show() -> None:
     with tabs[0]:
         names = sorted(points["name"].unique())
         default = [n for n in KEY_METRICS if n in names] or names[:6]
-        chosen = st.multiselect("Metrics", names, default=default, key="metric_names")
+        # Keyed by the names on offer: when new metrics appear (a starting job), the defaults apply again.
+        chosen = st.multiselect("Metrics", names, default=default, key=f"metrics-{job_id}-{len(names)}")
         grid = metric_grid(points, chosen, changes)
         if grid is None:
-            st.info("No metrics yet.")
+            st.info("Choose metrics above." if names else "No metrics yet.")
         else:
             st.altair_chart(grid)
             st.caption("Dashed lines: schedule changes, at the step they applied.")
@@ -53,7 +54,7 @@ def show() -> None:
         if per.empty:
             st.info("No spans yet.")
         else:
-            st.altair_chart(breakdown_chart(per), use_container_width=True)
+            st.altair_chart(breakdown_chart(per), width="stretch")
             idle = per.loc[per["kind"] != "work", "seconds"].sum()
             work = per.loc[per["kind"] == "work", "seconds"].sum()
             note = " (stages overlapped: shares add up to more than 100 %)" if work > wall * 1.01 else ""
@@ -64,7 +65,7 @@ def show() -> None:
         if rates.empty:
             st.info("No throughput yet.")
         else:
-            st.altair_chart(series_chart(rates, "step", "step", "tokens/s", color="name"), use_container_width=True)
+            st.altair_chart(series_chart(rates, "step", "step", "tokens/s", color="name"), width="stretch")
     with tabs[4]:
         sync = [s for s in spans if s["stage"] == "weight_sync"]
         if not sync:
@@ -73,7 +74,7 @@ def show() -> None:
             df = pd.DataFrame(
                 {"step": [s["step"] for s in sync], "value": [(s["end"] - s["start"]) * 1000 for s in sync]}
             )
-            st.altair_chart(series_chart(df, "step", "step", "weight update latency (ms)"), use_container_width=True)
+            st.altair_chart(series_chart(df, "step", "step", "weight update latency (ms)"), width="stretch")
             st.markdown(
                 f"{len(df)} updates: mean **{df['value'].mean():,.1f} ms**, p50 {df['value'].median():,.1f} ms, "
                 f"max {df['value'].max():,.1f} ms; {sync[-1]['num_bytes'] / 1e6:,.2f} MB via "
@@ -92,7 +93,7 @@ def show() -> None:
         st.dataframe(
             pd.DataFrame(events, columns=["created_at", "kind", "step", "message"]),
             hide_index=True,
-            use_container_width=True,
+            width="stretch",
         )
 
 
@@ -114,7 +115,7 @@ def _timeline(job: dict, changes: list[dict]) -> None:
     if df.empty:
         st.info("No spans in these steps.")
         return
-    st.altair_chart(gantt(df), use_container_width=True)
+    st.altair_chart(gantt(df), width="stretch")
     counts = df.groupby("stage").size().to_dict()
     st.markdown("Spans shown: " + ", ".join(f"**{stage}** {n}" for stage, n in sorted(counts.items())))
     applied = [c for c in changes if c["applied_step"] is not None and low <= c["applied_step"] <= high]

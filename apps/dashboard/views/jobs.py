@@ -36,7 +36,7 @@ if jobs:
     st.dataframe(
         table,
         hide_index=True,
-        use_container_width=True,
+        width="stretch",
         column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0, max_value=1)},
     )
     chosen = st.selectbox("Open", jobs, format_func=lambda j: f"#{j['id']} {j['name']} ({j['status']})", key="open")

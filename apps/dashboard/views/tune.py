@@ -64,7 +64,8 @@ if changes:
     for c in reversed(changes):
         patch = ", ".join(f"{k} = {v}" for k, v in c["patch"].items())
         where = f"before step {c['applied_step']}" if c["applied_step"] is not None else "at the next step"
-        st.markdown(f"- change {c['id']}: `{patch}` · **{c['status']}** {where} · {c['message'] or ''}")
+        why = f" · {c['message']}" if c["status"] == "rejected" else ""
+        st.markdown(f"- change {c['id']}: `{patch}` · **{c['status']}** {where}{why}")
     points = metrics_frame(client.metrics(job["id"], ["rollout/reward_mean", "eval/accuracy", "step/wall_s"]))
     grid = metric_grid(points, sorted(points["name"].unique()), changes)
     if grid is not None:
