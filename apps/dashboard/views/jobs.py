@@ -69,5 +69,8 @@ if st.button("Launch", type="primary", key="launch"):
             st.error(exc.message)
     else:
         st.session_state["job_id"] = created["id"]
-        st.success(f"Job #{created['id']} ({created['name']}) is {created['status']}.")
-        st.page_link("views/job.py", label=f"Watch job #{created['id']}", icon=":material/monitoring:")
+        st.session_state["launched"] = created
+        st.rerun()  # so that the list above shows the new job
+if launched := st.session_state.get("launched"):
+    st.success(f"Job #{launched['id']} ({launched['name']}) is {launched['status']}.")
+    st.page_link("views/job.py", label=f"Watch job #{launched['id']}", icon=":material/monitoring:")
