@@ -167,9 +167,9 @@ def test_kill_9_of_the_api_loses_nothing(plane, tmp_path):
     api.server.kill()  # kill -9 while the job runs
     api = start()  # a new server process on the same store and state folder
     job_now = api.job(job)
-    assert job_now["status"] in ("running", "succeeded"), job_now
+    assert job_now["status"] == "running", job_now  # 38 steps to go: the driver outlived the API
     kinds = [e["kind"] for e in api.call("GET", f"/jobs/{job}/events")]
-    assert "reattached" in kinds or job_now["status"] == "succeeded"
+    assert "reattached" in kinds
     done = api.wait(job, lambda j: j["status"] == "succeeded", what="succeeded after the API restart")
     after = {(p["name"], p["step"], p["value"]) for p in api.call("GET", f"/jobs/{job}/metrics")}
     assert {(p["name"], p["step"], p["value"]) for p in seen} <= after  # everything acknowledged is there
