@@ -38,8 +38,17 @@ def collate(batch: TrainBatch, pad_token_id: int = 0) -> Collated:
 def token_logprobs(
     model: torch.nn.Module, collated: Collated, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob of each next token [B, T-1] (and the policy entropy per position, without grad)."""
-    logits = model(input_ids=collated.input_ids, attention_mask=collated.attention_mask).logits[:, :-1].float()
+    """Logprob of each next token [B, T-1] under an HF causal LM (and the entropy, without grad)."""
+    logits = model(input_ids=collated.input_ids, attention_mask=collated.attention_mask).logits
+    return logprobs_from_logits(logits, collated, temperature, with_entropy)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, collated: Collated, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From [B, T, V] logits: the logprob of each next token [B, T-1] (and the policy entropy per
+    position, without grad)."""
+    logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
     logprobs_all = torch.log_softmax(logits, dim=-1)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -18,6 +18,44 @@ class FSDP2Config(_Strict):
     world_size: int = Field(1, ge=1, description="Data-parallel trainer ranks.")
     mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16 compute, fp32 master weights.")
     num_threads: int | None = Field(None, gt=0, description="torch threads per rank; None keeps torch's.")
+
+
+class _ModelParallel(_Strict):
+    world_size: int = Field(1, ge=1, description="Trainer ranks in all: tensor_parallel_size × data-parallel ranks.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks that split each layer (Megatron-style TP).")
+    num_threads: int | None = Field(None, gt=0, description="torch threads per rank; None keeps torch's.")
+
+    @model_validator(mode="after")
+    def _tp_divides_world(self):
+        if self.world_size % self.tensor_parallel_size:
+            raise ValueError(
+                f"world_size ({self.world_size}) must be a multiple of tensor_parallel_size "
+                f"({self.tensor_parallel_size}): the data-parallel size is their quotient"
+            )
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel_size
+
+
+class MegatronConfig(_ModelParallel):
+    """megatron-core GPTModel (local layer spec) built from the HF config; Megatron DDP and optimizer.
+
+    HF weights are converted on load and converted back by `export_weights`. fp32 only."""
+
+    type: Literal["megatron"] = "megatron"
+
+
+class TorchtitanConfig(_ModelParallel):
+    """torchtitan's Qwen/Llama-family model with its own parallelisation (FSDP2 over the
+    data-parallel ranks, TP over `tensor_parallel_size`) and an HF state-dict adapter. fp32 only."""
+
+    type: Literal["torchtitan"] = "torchtitan"
+
+
+BackendConfig = Annotated[FSDP2Config | MegatronConfig | TorchtitanConfig, Field(discriminator="type")]
+BACKEND_TYPES = ("fsdp2", "megatron", "torchtitan")
 
 
 class OptimizerConfig(_Strict):
@@ -62,6 +100,21 @@ class GRPOConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    backend: FSDP2Config = Field(default_factory=FSDP2Config)
+    backend: BackendConfig = Field(
+        default_factory=FSDP2Config,
+        description="The trainer backend: a mapping with `type` (fsdp2 | megatron | torchtitan) and its "
+        "fields, or just the type's name for its defaults (`backend: megatron`).",
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _name_alone(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value not in BACKEND_TYPES:
+                raise ValueError(f"unknown backend {value!r}; choose one of {', '.join(BACKEND_TYPES)}")
+            return {"type": value}
+        if isinstance(value, dict) and "type" not in value:
+            return {**value, "type": "fsdp2"}  # the default backend, as before backends had a type
+        return value

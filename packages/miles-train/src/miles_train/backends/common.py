@@ -1,0 +1,186 @@
+"""What every backend shares: the GRPO update over minibatches, data-parallel row split, metrics.
+
+A backend subclasses `GRPOBackend` and supplies the model-specific parts: the policy's logits,
+backward + optimizer step (returning the gradient norm), and how its gradient reduction scales the
+loss. Everything numerical about GRPO (advantages, ratio clipping, TIS, staleness, KL, token-mean
+aggregation over the global batch) is written once here, so the backends cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_train.collate import Collated, collate, logprobs_from_logits, unpad_response
+from miles_train.config import TrainConfig
+from miles_train.grpo import (
+    clipped_policy_loss,
+    group_advantages,
+    kl_k3,
+    staleness_weights,
+    token_mean,
+    truncated_is_weights,
+)
+from miles_train.types import TrainBatch
+
+METRIC_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_diff", "tis", "tis_clipfrac")
+
+
+class GRPOBackend:
+    """Base of the trainer backends. Every rank receives the whole batch (advantages need whole
+    groups); data-parallel rank d trains on rows d::dp_size; tensor-parallel peers take the same rows.
+
+    Subclasses set `model`, `reference` (None without KL), `device`, `dp_rank`, `dp_size`,
+    `pad_token_id` and implement `_logits`, `_step_optimizer`; `loss_scale` says how the backend's
+    gradient reduction combines ranks (dp_size where it averages, 1 where it sums)."""
+
+    name = "base"
+    loss_scale: float = 1.0
+
+    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.dp_rank, self.dp_size = rank, world_size
+        self.device = torch.device("cpu")
+        self.model: Any = None
+        self.reference: Any = None
+        self.pad_token_id = 0
+        self.step = 0
+
+    # ---- what a backend provides -------------------------------------------------------------
+    def _logits(self, model: Any, c: Collated) -> torch.Tensor:
+        """[B, T, V] logits of `model` (the policy or the reference) over the full vocabulary."""
+        raise NotImplementedError
+
+    def _zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def _step_optimizer(self) -> float | None:
+        """Reduce gradients, clip to `optimizer.max_grad_norm`, step; the global norm (None unclipped)."""
+        raise NotImplementedError
+
+    def _dp_group(self) -> Any:
+        """The process group of this rank's data-parallel peers (None: every rank)."""
+        return None
+
+    # ---- shared ------------------------------------------------------------------------------
+    def _my_rows(self, num_rows: int) -> list[int]:
+        return list(range(self.dp_rank, num_rows, self.dp_size))
+
+    def _token_logprobs(self, model: Any, c: Collated, temperature: float, with_entropy: bool = False):
+        return logprobs_from_logits(self._logits(model, c), c, temperature, with_entropy)
+
+    def _collate(self, batch: TrainBatch) -> Collated:
+        c = collate(batch, self.pad_token_id)
+        if self.device.type != "cpu":
+            for field_name, value in vars(c).items():
+                setattr(c, field_name, value.to(self.device))
+        return c
+
+    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op, group=self._dp_group())
+        return t.tolist()
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        grpo = self.config.grpo
+        if len(batch) < grpo.num_minibatches * self.dp_size:
+            raise ValueError(
+                f"{self.name}: a batch of {len(batch)} samples cannot give each of {self.dp_size} data-parallel "
+                f"ranks a row in each of {grpo.num_minibatches} minibatches"
+            )
+        advantages = group_advantages(batch.rewards, batch.group_index, grpo.normalize_std)
+        minibatches = [list(range(len(batch)))[m :: grpo.num_minibatches] for m in range(grpo.num_minibatches)]
+        sums = dict.fromkeys(METRIC_SUMS, 0.0)
+        tis_max = 0.0
+        ages = batch.staleness if batch.staleness is not None else [0] * len(batch)
+        sample_weights = staleness_weights(ages, grpo.staleness, grpo.staleness_decay, grpo.staleness_max)
+        grad_norms = []
+        old_logprobs = self._padded_logprobs(batch) if grpo.old_logprobs == "recompute" else None
+        for rows in minibatches:
+            # Token count of this minibatch over all ranks: the denominator of the token mean.
+            num_tokens = float(sum(sum(batch.loss_mask[i]) for i in rows))
+            local = [rows[i] for i in self._my_rows(len(rows))]
+            c = self._collate(batch.select(local))
+            self._zero_grad()
+            logprobs, entropy = self._token_logprobs(self.model, c, batch.temperature, with_entropy=True)
+            if old_logprobs is None:
+                old = c.rollout_logprobs
+            else:  # the whole batch is padded wider than this rank's part: trim the right padding
+                old = old_logprobs[local][:, : c.loss_mask.shape[1]].to(self.device)
+            adv = advantages[local].to(self.device)[:, None].expand_as(logprobs)
+            pg, ratio, clipped = clipped_policy_loss(logprobs, old, adv, grpo.clip_eps, grpo.clip_eps_high)
+            tis = torch.ones_like(pg)
+            truncated = torch.zeros_like(pg, dtype=torch.bool)
+            if grpo.tis_cap is not None:  # old = the trainer's recomputed old-policy logprobs
+                tis, truncated = truncated_is_weights(old, c.rollout_logprobs, grpo.tis_cap)
+                pg = pg * tis
+                tis_max = max(tis_max, float((tis * c.loss_mask).max()))
+            pg = pg * sample_weights[local].to(self.device)[:, None]
+            per_token = pg
+            kl = torch.zeros_like(pg)
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logprobs, _ = self._token_logprobs(self.reference, c, batch.temperature)
+                kl = kl_k3(logprobs, ref_logprobs)
+                per_token = per_token + grpo.kl_coef * kl
+            loss = token_mean(per_token, c.loss_mask, num_tokens) * self.loss_scale
+            loss.backward()
+            norm = self._step_optimizer()
+            if norm is not None:
+                grad_norms.append(norm)
+            m = c.loss_mask
+            with torch.no_grad():
+                for key, value in (
+                    ("loss", per_token),
+                    ("pg_loss", pg),
+                    ("kl", kl),
+                    ("entropy", entropy),
+                    ("clipfrac", clipped.float()),
+                    ("ratio", ratio),
+                    ("logprob_diff", (logprobs - c.rollout_logprobs).abs()),
+                    ("tis", tis),
+                    ("tis_clipfrac", truncated.float()),
+                ):
+                    sums[key] += float((value * m).sum())
+        total_tokens = float(batch.num_response_tokens)
+        reduced = self._all_reduce(list(sums.values()))
+        self.step += 1
+        metrics = {f"train/{k}": v / max(total_tokens, 1.0) for k, v in zip(sums, reduced, strict=True)}
+        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        metrics["train/num_tokens"] = total_tokens
+        metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
+        metrics["train/tis_max"] = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]
+        metrics["train/sample_weight_mean"] = float(sample_weights.mean())
+        return metrics
+
+    @torch.no_grad()
+    def _padded_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Current-policy logprobs of the whole batch, [B, T-1], identical on every rank."""
+        rows = self._my_rows(len(batch))
+        logprobs, _ = self._token_logprobs(self.model, self._collate(batch.select(rows)), batch.temperature)
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (rows, logprobs.cpu()))  # tensor-parallel peers send the same rows
+        width = max(len(ids) for ids in batch.input_ids) - 1
+        full = torch.zeros((len(batch), width))
+        for part_rows, part in gathered:
+            full[part_rows, : part.shape[1]] = part
+        return full
+
+    def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        return unpad_response(self._padded_logprobs(batch), batch)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(rank: int, world_size: int, init_method: str | None) -> None:
+    """The default process group: NCCL on GPU, gloo on CPU (once per process)."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend, init_method=init_method or "tcp://127.0.0.1:29512", rank=rank, world_size=world_size
+        )
