@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from miles_train.collate import collate, token_logprobs
 from miles_train.grpo import clipped_policy_loss, group_advantages, kl_k3, token_mean
 
-RANK_SCRIPT = Path(__file__).with_name("fsdp2_rank.py")
+RANK_SCRIPT = Path(__file__).with_name("backend_rank.py")
 sys.path.insert(0, str(RANK_SCRIPT.parent))
-from fsdp2_rank import contract_batch, offpolicy_batch  # noqa: E402
+from backend_rank import contract_batch, offpolicy_batch  # noqa: E402
 
 
 def free_port() -> int:
@@ -23,8 +23,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(model_dir, world_size: int, tmp_path, mixed: str = "none", mode: str = "") -> dict:
-    out, port = tmp_path / f"ws{world_size}-{mixed}{mode}.pt", free_port()
+def run_ranks(model_dir, world_size: int, tmp_path, variant: str = "fsdp2", mode: str = "") -> dict:
+    out, port = tmp_path / f"ws{world_size}-{variant}{mode}.pt", free_port()
     procs = [
         subprocess.Popen(
             [
@@ -35,8 +35,8 @@ def run_ranks(model_dir, world_size: int, tmp_path, mixed: str = "none", mode: s
                 str(world_size),
                 str(port),
                 str(out),
-                str(tmp_path / f"ckpt-{world_size}-{mixed}{mode}"),
-                mixed,
+                str(tmp_path / f"ckpt-{world_size}-{variant}{mode}"),
+                variant,
                 mode,
             ],
             stdout=subprocess.PIPE,
@@ -128,7 +128,7 @@ def test_save_load_round_trip(ws1, ws2):
 
 
 def test_bf16_mixed_precision_runs(tiny_model_dir, tmp_path, ws1):
-    result = run_ranks(tiny_model_dir, 1, tmp_path, mixed="bf16")
+    result = run_ranks(tiny_model_dir, 1, tmp_path, variant="fsdp2-bf16")
     assert result["after"]["lm_head.weight"].dtype == torch.float32  # fp32 master weights
     assert result["metrics"]["train/loss"] == pytest.approx(ws1["metrics"]["train/loss"], abs=5e-2)
     assert any(not torch.equal(result["after"][n], t) for n, t in result["initial"].items())

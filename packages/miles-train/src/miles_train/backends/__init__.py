@@ -15,4 +15,12 @@ def build_backend(
         from miles_train.backends.fsdp2.backend import FSDP2Backend
 
         return FSDP2Backend(config, model_path, rank=rank, world_size=world_size, init_method=init_method)
+    if config.backend.type == "megatron":
+        from miles_train.backends.megatron.backend import MegatronBackend
+
+        return MegatronBackend(config, model_path, rank=rank, world_size=world_size, init_method=init_method)
+    if config.backend.type == "torchtitan":
+        from miles_train.backends.torchtitan.backend import TorchtitanBackend
+
+        return TorchtitanBackend(config, model_path, rank=rank, world_size=world_size, init_method=init_method)
     raise ValueError(f"unknown trainer backend {config.backend.type!r}")

@@ -107,4 +107,3 @@ class FSDP2Backend(GRPOBackend):
             self.model, self.optimizer, optim_state, options=StateDictOptions(full_state_dict=True)
         )
         self.step = json.loads((directory / "trainer_state.json").read_text())["step"]
-

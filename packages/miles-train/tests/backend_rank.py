@@ -1,6 +1,9 @@
 """One trainer rank for the backend contract tests, run as its own process (torch.distributed needs one).
 
-usage: python fsdp2_rank.py MODEL_DIR RANK WORLD_SIZE PORT OUT_FILE CKPT_DIR [MIXED_PRECISION] [offpolicy]
+usage: python backend_rank.py MODEL_DIR RANK WORLD_SIZE PORT OUT_FILE CKPT_DIR [VARIANT] [offpolicy]
+
+VARIANT names the backend and its layout: `fsdp2`, `fsdp2-bf16`, `megatron`, `megatron-tp2`,
+`torchtitan`, `torchtitan-tp2` (without `-tp2` every rank is data parallel).
 
 `offpolicy` turns on truncated importance sampling (cap 1.5) and staleness decay (0.5 per version),
 with staleness 0, 1, 2 within each group.
@@ -46,9 +49,16 @@ def snapshot(backend) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in backend.export_weights()}
 
 
+def backend_config(variant: str, world_size: int) -> dict:
+    kind, _, option = variant.partition("-")
+    if kind == "fsdp2":
+        return {"type": "fsdp2", "world_size": world_size, "mixed_precision": option or "none"}
+    return {"type": kind, "world_size": world_size, "tensor_parallel_size": 2 if option == "tp2" else 1}
+
+
 def main() -> None:
     model_dir, rank, world_size, port, out, ckpt = sys.argv[1:7]
-    mixed = sys.argv[7] if len(sys.argv) > 7 else "none"
+    variant = sys.argv[7] if len(sys.argv) > 7 else "fsdp2"
     offpolicy = len(sys.argv) > 8 and sys.argv[8] == "offpolicy"
     rank, world_size = int(rank), int(world_size)
     torch.set_num_threads(1)
@@ -57,7 +67,7 @@ def main() -> None:
         grpo |= {"tis_cap": 1.5, "staleness": "decay", "staleness_decay": 0.5}
     config = TrainConfig.model_validate(
         {
-            "backend": {"world_size": world_size, "mixed_precision": mixed},
+            "backend": backend_config(variant, world_size),
             "optimizer": {"lr": 1e-3, "max_grad_norm": 1.0},
             "grpo": grpo,
         }

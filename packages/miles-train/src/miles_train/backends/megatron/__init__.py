@@ -1,0 +1,1 @@
+"""megatron-core backend: HF ⇄ Megatron conversion, CPU adjustments, the trainer."""

@@ -1,0 +1,231 @@
+"""megatron-core trainer backend: GPTModel (local layer spec) from an HF Qwen2/Llama checkpoint,
+tensor parallel × data parallel, Megatron's DDP and optimizer, HF weights out.
+
+Ranks form `world_size / tensor_parallel_size` data-parallel groups of `tensor_parallel_size`
+ranks each (Megatron's order: consecutive ranks share a layer). fp32 parameters and gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from miles_train.backends.common import GRPOBackend, init_distributed
+from miles_train.backends.megatron import convert, cpu
+from miles_train.collate import Collated
+from miles_train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class MegatronBackend(GRPOBackend):
+    name = "megatron"
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        model_path: str | Path,
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: str | None = None,
+    ) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from transformers import AutoConfig
+
+        super().__init__(config, rank, world_size)
+        backend = config.backend
+        if backend.world_size != world_size:
+            raise ValueError(
+                f"megatron: started with {world_size} ranks but train.backend.world_size is {backend.world_size}"
+            )
+        if backend.num_threads is not None:
+            torch.set_num_threads(backend.num_threads)
+        self.tp = backend.tensor_parallel_size
+        self.model_path = Path(model_path)
+        self.hf_config = AutoConfig.from_pretrained(str(model_path))
+        convert.check_supported(self.hf_config, self.tp)
+        self.pad_token_id = self.hf_config.pad_token_id or 0
+
+        init_distributed(rank, world_size, init_method)
+        cpu.apply()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=self.tp, create_gloo_process_groups=False
+            )
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        # Megatron's DDP averages gradients over the data-parallel ranks: × dp_size restores the
+        # global token mean of the loss.
+        self.loss_scale = float(self.dp_size)
+        self._init_rng(config)
+
+        hf_state = convert.read_hf_state(model_path)
+        self.transformer_config = convert.transformer_config(self.hf_config, self.tp)
+        model = self._build(hf_state)
+        self.model = DistributedDataParallel(
+            self.transformer_config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            ),
+            model,
+        )
+        self.model.train()
+        self.optimizer = self._build_optimizer()
+        if config.grpo.kl_coef > 0:
+            self.reference = self._build(hf_state).eval().requires_grad_(False)
+
+    # ---- construction --------------------------------------------------------------------------
+    def _init_rng(self, config: TrainConfig) -> None:
+        from megatron.core import tensor_parallel
+
+        if cpu.needed():
+            # The training RNG tracker forks CUDA generators. Dropout is off and weights come from
+            # the checkpoint, so nothing draws from it: the inference tracker (no fork) suffices.
+            tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        else:
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+    def _build(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        model = convert.build_gpt_model(self.hf_config, self.tp)
+        self._assign(model, convert.hf_to_megatron(hf_state, self.hf_config, self.tp, self.tp_rank))
+        return model.to(self.device)
+
+    @staticmethod
+    def _assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        params = dict(model.named_parameters())
+        params = {name.removeprefix("module."): p for name, p in params.items()}
+        missing = sorted(set(params) - set(tensors))
+        unexpected = sorted(set(tensors) - set(params))
+        if missing or unexpected:
+            raise RuntimeError(
+                f"megatron: weight names do not match the model: missing {missing}, unexpected {unexpected}"
+            )
+        with torch.no_grad():
+            for name, param in params.items():
+                if param.shape != tensors[name].shape:
+                    raise RuntimeError(
+                        f"megatron: {name} has shape {tuple(param.shape)}, checkpoint {tuple(tensors[name].shape)}"
+                    )
+                param.copy_(tensors[name])
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        opt = self.config.optimizer
+        with cpu.on_cpu():
+            return get_megatron_optimizer(
+                MegatronOptimizerConfig(
+                    optimizer="adam",
+                    lr=opt.lr,
+                    adam_beta1=opt.betas[0],
+                    adam_beta2=opt.betas[1],
+                    adam_eps=opt.eps,
+                    weight_decay=opt.weight_decay,
+                    clip_grad=opt.max_grad_norm or 0.0,
+                    params_dtype=torch.float32,
+                ),
+                [self.model],
+                use_gloo_process_groups=False,
+            )
+
+    # ---- GRPOBackend hooks ---------------------------------------------------------------------
+    def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
+        ids = c.input_ids
+        seq = ids.shape[1]
+        position_ids = torch.arange(seq, device=ids.device)[None].expand_as(ids)
+        # Right padding: with a causal mask no real token attends to padding. The mask is explicit
+        # (True = masked) because the local attention has no implicit causal path without TE.
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=ids.device), 1)[None, None]
+        logits = model(ids, position_ids, causal, runtime_gather_output=True)
+        return logits[..., : self.hf_config.vocab_size]
+
+    def _zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _step_optimizer(self) -> float | None:
+        self.model.finish_grad_sync()
+        with cpu.on_cpu():
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron: the optimizer skipped the step (non-finite gradients)")
+        return float(grad_norm) if self.config.optimizer.max_grad_norm is not None and grad_norm is not None else None
+
+    def _dp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    # ---- weights, checkpoints -------------------------------------------------------------------
+    def _local_params(self) -> dict[str, torch.Tensor]:
+        return {name.removeprefix("module."): p for name, p in self.model.named_parameters()}
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """All-gather each parameter over the tensor-parallel group, convert to HF on global rank 0."""
+        shards: dict[str, list[torch.Tensor]] = {}
+        for name, param in self._local_params().items():
+            data = param.detach()
+            if self.tp > 1:
+                parts = [torch.empty_like(data) for _ in range(self.tp)]
+                dist.all_gather(parts, data.contiguous(), group=self.tp_group)
+            else:
+                parts = [data]
+            shards[name] = [p.cpu() for p in parts]
+        if self.rank == 0:
+            yield from convert.megatron_to_hf(shards, self.hf_config)
+
+    def save(self, directory: str | Path) -> None:
+        """An HF folder (config + model.safetensors) plus each rank's optimizer state."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        weights = {name: t.contiguous() for name, t in self.export_weights()}
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.hf_config.save_pretrained(directory)
+            save_file(weights, str(directory / "model.safetensors"))
+            state = {
+                "step": self.step,
+                "backend": self.name,
+                "world_size": self.world_size,
+                "tensor_parallel_size": self.tp,
+            }
+            (directory / "trainer_state.json").write_text(json.dumps(state))
+        dist.barrier()
+        with cpu.on_cpu():
+            torch.save(self.optimizer.state_dict(), directory / f"optimizer-rank{self.rank}.pt")
+        dist.barrier()
+
+    def load(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        state = json.loads((directory / "trainer_state.json").read_text())
+        layout = (state.get("world_size"), state.get("tensor_parallel_size"))
+        if state.get("backend") != self.name or layout != (self.world_size, self.tp):
+            raise ValueError(
+                f"megatron: checkpoint {directory} was written by {state.get('backend')} with world_size, "
+                f"tensor_parallel_size = {layout}; this trainer is {self.name} with {(self.world_size, self.tp)}"
+            )
+        hf = convert.read_hf_state(directory)
+        self._assign(self.model, convert.hf_to_megatron(hf, self.hf_config, self.tp, self.tp_rank))
+        with cpu.on_cpu():
+            optim_state = torch.load(directory / f"optimizer-rank{self.rank}.pt", weights_only=False)
+            self.optimizer.load_state_dict(optim_state)
+        self.step = state["step"]
+
+    def shutdown(self) -> None:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        super().shutdown()

@@ -1,0 +1,93 @@
+"""Adjustments that let megatron-core train on a machine without a GPU. All of them, and only here.
+
+megatron-core assumes CUDA in a handful of places that are not about computation (where a buffer
+is allocated, which stream waits, an assertion on the tensor type). On a GPU machine nothing in this
+module does anything: `apply()` returns at once and `on_cpu()` is a no-op context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply() -> None:
+    """Patch the process once, before megatron-core builds anything. No-op where CUDA is present."""
+    global _applied
+    if _applied or not needed():
+        return
+    _applied = True
+
+    # Megatron's DDP allocates its contiguous gradient buffers with
+    # `device=torch.cuda.current_device()`; answering "cpu" puts them in host memory.
+    torch.cuda.current_device = lambda: "cpu"
+
+    # The gradient buffers make the current stream wait on their communication events after an
+    # asynchronous all-reduce. On CPU every collective here is synchronous: nothing to wait for.
+    class _HostStream:
+        def wait_event(self, event) -> None:
+            pass
+
+        def wait_stream(self, stream) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    torch.cuda.current_stream = lambda device=None: _HostStream()
+
+    # `clip_grad_by_total_norm_fp32` asserts that every gradient is a `torch.cuda.FloatTensor` and
+    # scales through apex's multi-tensor kernels; the same arithmetic on host tensors:
+    import megatron.core.optimizer.optimizer as megatron_optimizer
+    from megatron.core.utils import to_local_if_dtensor
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        coeff = max_norm / (float(total_norm) + 1.0e-6)
+        if coeff >= 1.0:
+            return
+        for param in parameters:
+            grad = param.decoupled_grad if use_decoupled_grad else param.grad
+            if grad is not None:
+                to_local_if_dtensor(grad).detach().mul_(coeff)
+
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites `device="cuda"` (and `.cuda()`) in torch calls to the host. Megatron's optimizer
+    creates its flags, norms and loss scale with `device='cuda'` literally."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        if getattr(func, "__name__", "") == "cuda":  # Tensor.cuda()
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def on_cpu():
+    """Context for megatron-core calls that create tensors on 'cuda' (optimizer build, step, state
+    dicts). A no-op on GPU machines."""
+    return _CudaToCpu() if needed() else contextlib.nullcontext()
+
+
+def host_device_calls(fn):
+    """Decorator form of `on_cpu()`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with on_cpu():
+            return fn(*args, **kwargs)
+
+    return wrapper
