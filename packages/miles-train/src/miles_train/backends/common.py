@@ -8,6 +8,7 @@ aggregation over the global batch) is written once here, so the backends cannot 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -184,3 +185,16 @@ def init_distributed(rank: int, world_size: int, init_method: str | None) -> Non
         dist.init_process_group(
             backend, init_method=init_method or "tcp://127.0.0.1:29512", rank=rank, world_size=world_size
         )
+
+
+def read_hf_state(model_path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint folder (`*.safetensors`), in fp32."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_path}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update({k: v.float() for k, v in load_file(str(file)).items()})
+    return state

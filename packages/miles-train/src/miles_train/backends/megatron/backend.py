@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles_train.backends.common import GRPOBackend, init_distributed
+from miles_train.backends.common import GRPOBackend, init_distributed, read_hf_state
 from miles_train.backends.megatron import convert, cpu
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -70,7 +70,7 @@ class MegatronBackend(GRPOBackend):
         self.loss_scale = float(self.dp_size)
         self._init_rng(config)
 
-        hf_state = convert.read_hf_state(model_path)
+        hf_state = read_hf_state(model_path)
         self.transformer_config = convert.transformer_config(self.hf_config, self.tp)
         model = self._build(hf_state)
         self.model = DistributedDataParallel(
@@ -217,7 +217,7 @@ class MegatronBackend(GRPOBackend):
                 f"megatron: checkpoint {directory} was written by {state.get('backend')} with world_size, "
                 f"tensor_parallel_size = {layout}; this trainer is {self.name} with {(self.world_size, self.tp)}"
             )
-        hf = convert.read_hf_state(directory)
+        hf = read_hf_state(directory)
         self._assign(self.model, convert.hf_to_megatron(hf, self.hf_config, self.tp, self.tp_rank))
         with cpu.on_cpu():
             optim_state = torch.load(directory / f"optimizer-rank{self.rank}.pt", weights_only=False)

@@ -14,7 +14,6 @@ Layouts (megatron-core's local layer spec, tensor-parallel size `tp`, rank `r`):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -108,19 +107,6 @@ def build_gpt_model(hf_config: Any, tp: int, max_sequence_length: int | None = N
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         parallel_output=True,
     )
-
-
-def read_hf_state(model_path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint folder (`*.safetensors`), in fp32."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {model_path}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update({k: v.float() for k, v in load_file(str(file)).items()})
-    return state
 
 
 def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ng: int) -> torch.Tensor:

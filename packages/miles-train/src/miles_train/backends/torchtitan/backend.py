@@ -1,0 +1,190 @@
+"""torchtitan trainer backend: a Qwen2/Llama-family torchtitan model parallelised by torchtitan
+(`parallelize_qwen3`: TP over `tensor_parallel_size` ranks, FSDP2 over the data-parallel ranks),
+HF weights in and out through its state-dict adapter. fp32.
+
+Gradients are summed over data-parallel ranks, as torchtitan does (`disable_fsdp_gradient_division`):
+the loss is already the global token mean.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from miles_train.backends.common import GRPOBackend, init_distributed, read_hf_state
+from miles_train.backends.torchtitan import convert, cpu
+from miles_train.collate import Collated
+from miles_train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_SPMD_BACKEND = "partial_dtensor"  # DTensor TP + FSDP2, torchtitan's long-standing path
+
+
+class TorchtitanBackend(GRPOBackend):
+    name = "torchtitan"
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        model_path: str | Path,
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: str | None = None,
+    ) -> None:
+        from transformers import AutoConfig
+
+        super().__init__(config, rank, world_size)
+        backend = config.backend
+        if backend.world_size != world_size:
+            raise ValueError(
+                f"torchtitan: started with {world_size} ranks but train.backend.world_size is {backend.world_size}"
+            )
+        if backend.num_threads is not None:
+            torch.set_num_threads(backend.num_threads)
+        self.tp = backend.tensor_parallel_size
+        self.hf_config = AutoConfig.from_pretrained(str(model_path))
+        convert.check_supported(self.hf_config, self.tp)
+        self.pad_token_id = self.hf_config.pad_token_id or 0
+
+        init_distributed(rank, world_size, init_method)
+        cpu.apply()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        from torchtitan.config.configs import ParallelismConfig
+        from torchtitan.distributed import utils as dist_utils
+        from torchtitan.distributed.parallel_dims import ParallelDims
+
+        self.parallelism = ParallelismConfig(
+            tensor_parallel_degree=self.tp,
+            data_parallel_shard_degree=-1,
+            enable_sequence_parallel=False,
+            spmd_backend=_SPMD_BACKEND,
+        )
+        dist_utils.set_spmd_backend(_SPMD_BACKEND)
+        self.parallel_dims = ParallelDims.from_config(self.parallelism, world_size)
+        self.parallel_dims.build_mesh()
+        self.dp_size = self.parallel_dims.dp_shard
+        self.dp_rank = rank // self.tp  # mesh order: the tp axis is innermost
+        self._dist_utils = dist_utils
+
+        self.model_config = convert.model_config(self.hf_config)
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        # torchtitan's TP plan lives on the model config (what its trainer sets in update_from_config)
+        set_qwen3_sharding_config(self.model_config, enable_sp=False, enable_ep=False)
+        self.adapter = convert.state_dict_adapter(self.model_config)
+        hf_state = read_hf_state(model_path)
+        self.model = self._build(hf_state)
+        self.model.train()
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        if config.grpo.kl_coef > 0:
+            self.reference = self._build(hf_state).eval().requires_grad_(False)
+
+    def _build(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        from torchtitan.config.configs import CompileConfig, TrainingConfig
+        from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+        from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+        with torch.device("meta"):
+            model = self.model_config.build()
+        with tempfile.TemporaryDirectory() as dump_folder:
+            parallelize_qwen3(
+                model,
+                parallel_dims=self.parallel_dims,
+                training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+                parallelism=self.parallelism,
+                compile_config=CompileConfig(),
+                ac_config=None,
+                dump_folder=dump_folder,
+            )
+        disable_fsdp_gradient_division(model)
+        cpu.after_parallelize(model)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=self.device)  # RoPE tables; the weights are replaced next
+        set_model_state_dict(model, self.adapter.from_hf(hf_state), options=StateDictOptions(full_state_dict=True))
+        return model
+
+    # ---- GRPOBackend hooks ---------------------------------------------------------------------
+    def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
+        logits = model(c.input_ids)  # causal attention; right padding never reaches a real token
+        return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _step_optimizer(self) -> float | None:
+        norm = None
+        max_norm = self.config.optimizer.max_grad_norm
+        if max_norm is not None:
+            total = self._dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm)
+            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        self.optimizer.step()
+        return norm
+
+    def _dp_group(self):
+        if self.tp == 1:
+            return None
+        return self.parallel_dims.get_mesh("fsdp").get_group()
+
+    # ---- weights, checkpoints -------------------------------------------------------------------
+    def _hf_state(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors (collective); meaningful on rank 0."""
+        state = get_model_state_dict(self.model, options=_FULL)
+        return self.adapter.to_hf(state) if self.rank == 0 else {}
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        state = self._hf_state()
+        if self.rank == 0:
+            yield from state.items()
+
+    def save(self, directory: str | Path) -> None:
+        """An HF folder (config + model.safetensors) plus the full optimizer state."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        weights = self._hf_state()
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.hf_config.save_pretrained(directory)
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+            torch.save(optim_state, directory / "optimizer.pt")
+            state = {
+                "step": self.step,
+                "backend": self.name,
+                "world_size": self.world_size,
+                "tensor_parallel_size": self.tp,
+            }
+            (directory / "trainer_state.json").write_text(json.dumps(state))
+        dist.barrier()
+
+    def load(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        state = json.loads((directory / "trainer_state.json").read_text())
+        if state.get("backend") != self.name:
+            raise ValueError(f"torchtitan: checkpoint {directory} was written by the {state.get('backend')} backend")
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, self.adapter.from_hf(read_hf_state(directory)), options=full)
+        optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=full)
+        self.step = state["step"]
