@@ -29,6 +29,7 @@ DIST_OF = {
     "sqlalchemy": "sqlalchemy",
     "safetensors": "safetensors",
     "pydantic_settings": "pydantic-settings",
+    "megatron": "megatron-core",
 }
 
 

@@ -1,4 +1,4 @@
-"""miles_train: trainer backends (FSDP2), GRPO losses, supervised warm start, weight export.
+"""miles_train: trainer backends (FSDP2, Megatron-core, torchtitan), GRPO losses, supervised warm start, weight export.
 
 Exports load lazily, so `miles_train.config` stays importable without torch.
 """
@@ -6,7 +6,9 @@ Exports load lazily, so `miles_train.config` stays importable without torch.
 from miles_sync.lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["FSDP2Config", "GRPOConfig", "OptimizerConfig", "TrainConfig"], "config"),
+    **dict.fromkeys(
+        ["FSDP2Config", "GRPOConfig", "MegatronConfig", "OptimizerConfig", "TorchtitanConfig", "TrainConfig"], "config"
+    ),
     "build_backend": "backends",
     "TrainerBackend": "protocol",
     "TrainBatch": "types",

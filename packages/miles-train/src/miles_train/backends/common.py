@@ -175,6 +175,7 @@ class GRPOBackend:
 
     def shutdown(self) -> None:
         if dist.is_initialized():
+            dist.barrier()  # no rank tears its group down while a peer still talks to it
             dist.destroy_process_group()
 
 

@@ -1,0 +1,117 @@
+"""HF ⇄ backend weight layouts and configuration errors, without starting any rank."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from miles_train.config import TrainConfig
+
+
+def _qwen2(vocab: int = 19) -> tuple[Qwen2Config, dict[str, torch.Tensor]]:
+    torch.manual_seed(1)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    return config, Qwen2ForCausalLM(config).state_dict()
+
+
+def _llama() -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    torch.manual_seed(2)
+    config = LlamaConfig(
+        vocab_size=21,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
+    return config, LlamaForCausalLM(config).state_dict()
+
+
+@pytest.mark.parametrize("make", [_qwen2, _llama], ids=["qwen2", "llama"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_layouts_round_trip(make, tp):
+    """Split for every TP rank, then put back together: the HF tensors again, bit for bit (an odd
+    vocabulary is padded to a multiple of TP on the way in and trimmed on the way out)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from miles_train.backends.megatron import convert
+
+    config, hf = make()
+    convert.check_supported(config, tp)
+    per_rank = [convert.hf_to_megatron(hf, config, tp, r) for r in range(tp)]
+    vocab = convert.padded_vocab(config, tp)
+    assert vocab % tp == 0 and vocab >= config.vocab_size
+    assert per_rank[0]["embedding.word_embeddings.weight"].shape[0] == vocab // tp
+    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in per_rank[0]) == (config.model_type == "qwen2")
+    shards = {name: [rank[name] for rank in per_rank] for name in per_rank[0]}
+    back = dict(convert.megatron_to_hf(shards, config))
+    assert list(back) == [n for n in hf if n in back]  # an HF state dict's order
+    assert set(back) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_megatron_rejects_layouts_it_cannot_split():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from miles_train.backends.megatron import convert
+
+    config, _ = _qwen2()
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        convert.check_supported(config, 4)  # 2 kv heads over 4 ranks
+    config.model_type = "gpt2"
+    with pytest.raises(ValueError, match="gpt2"):
+        convert.check_supported(config, 1)
+
+
+def test_torchtitan_rejects_layouts_it_cannot_split():
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed")
+    from miles_train.backends.torchtitan import convert
+
+    config, _ = _qwen2(vocab=19)
+    with pytest.raises(ValueError, match="vocab_size"):
+        convert.check_supported(config, 2)
+    convert.check_supported(config, 1)
+
+
+def test_torchtitan_adapter_maps_every_hf_tensor():
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed")
+    from miles_train.backends.torchtitan import convert
+
+    config, hf = _qwen2()
+    adapter = convert.state_dict_adapter(convert.model_config(config))
+    titan = adapter.from_hf(dict(hf))
+    assert "layers.0.attention.qkv_linear.wq.bias" in titan
+    back = adapter.to_hf(titan)
+    assert set(back) == set(hf)
+    assert all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("deepspeed", "unknown backend 'deepspeed'; choose one of fsdp2, megatron, torchtitan"),
+        (
+            {"type": "megatron", "world_size": 3, "tensor_parallel_size": 2},
+            "must be a multiple of tensor_parallel_size",
+        ),
+        ({"type": "fsdp2", "tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ],
+)
+def test_backend_config_errors_name_the_field(backend, message):
+    with pytest.raises(ValueError, match="backend") as err:
+        TrainConfig.model_validate({"backend": backend})
+    assert message in str(err.value)
+
+
+def test_backend_by_name_and_default():
+    assert TrainConfig.model_validate({"backend": "torchtitan"}).backend.type == "torchtitan"
+    assert TrainConfig.model_validate({"backend": {"world_size": 2}}).backend.type == "fsdp2"
+    megatron = TrainConfig.model_validate({"backend": {"type": "megatron", "world_size": 4, "tensor_parallel_size": 2}})
+    assert megatron.backend.data_parallel_size == 2
