@@ -5,11 +5,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A random tiny Qwen2 (vocab 20) saved as an HF folder."""
+    """A random tiny Qwen2 saved as an HF folder. The vocabulary (19) is odd, so TP=2 layouts pad it."""
     folder = tmp_path_factory.mktemp("tiny-qwen2-train")
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=20,
+        vocab_size=19,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,

@@ -41,12 +41,13 @@ def test_megatron_layouts_round_trip(make, tp):
     """Split for every TP rank, then put back together: the HF tensors again, bit for bit (an odd
     vocabulary is padded to a multiple of TP on the way in and trimmed on the way out)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from miles_train.backends.common import padded_vocab
     from miles_train.backends.megatron import convert
 
     config, hf = make()
     convert.check_supported(config, tp)
     per_rank = [convert.hf_to_megatron(hf, config, tp, r) for r in range(tp)]
-    vocab = convert.padded_vocab(config, tp)
+    vocab = padded_vocab(config.vocab_size, tp)
     assert vocab % tp == 0 and vocab >= config.vocab_size
     assert per_rank[0]["embedding.word_embeddings.weight"].shape[0] == vocab // tp
     assert ("decoder.layers.0.self_attention.linear_qkv.bias" in per_rank[0]) == (config.model_type == "qwen2")
@@ -74,10 +75,10 @@ def test_torchtitan_rejects_layouts_it_cannot_split():
     pytest.importorskip("torchtitan", reason="torchtitan is not installed")
     from miles_train.backends.torchtitan import convert
 
-    config, _ = _qwen2(vocab=19)
-    with pytest.raises(ValueError, match="vocab_size"):
-        convert.check_supported(config, 2)
-    convert.check_supported(config, 1)
+    config, _ = _qwen2()
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        convert.check_supported(config, 4)  # 2 kv heads over 4 ranks
+    convert.check_supported(config, 2)
 
 
 def test_torchtitan_adapter_maps_every_hf_tensor():

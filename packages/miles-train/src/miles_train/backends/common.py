@@ -105,7 +105,6 @@ class GRPOBackend:
             num_tokens = float(sum(sum(batch.loss_mask[i]) for i in rows))
             local = [rows[i] for i in self._my_rows(len(rows))]
             c = self._collate(batch.select(local))
-            self._zero_grad()
             logprobs, entropy = self._token_logprobs(self.model, c, batch.temperature, with_entropy=True)
             if old_logprobs is None:
                 old = c.rollout_logprobs
@@ -130,6 +129,7 @@ class GRPOBackend:
             loss = token_mean(per_token, c.loss_mask, num_tokens) * self.loss_scale
             loss.backward()
             norm = self._step_optimizer()
+            self._zero_grad()
             if norm is not None:
                 grad_norms.append(norm)
             m = c.loss_mask
@@ -199,3 +199,15 @@ def read_hf_state(model_path: str | Path) -> dict[str, torch.Tensor]:
     for file in files:
         state.update({k: v.float() for k, v in load_file(str(file)).items()})
     return state
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of the tensor-parallel size (vocab-parallel layers
+    split it evenly); the extra rows are zeros and their logits are sliced off."""
+    return -(-vocab_size // tp) * tp
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], 0)

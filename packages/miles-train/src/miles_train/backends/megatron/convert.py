@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from miles_train.backends.common import pad_rows, padded_vocab
+
 SUPPORTED = ("qwen2", "llama")
 
 
@@ -53,10 +55,6 @@ def head_dim(hf_config: Any) -> int:
 
 def has_qkv_bias(hf_config: Any) -> bool:
     return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-
-
-def padded_vocab(hf_config: Any, tp: int) -> int:
-    return -(-hf_config.vocab_size // tp) * tp
 
 
 def transformer_config(hf_config: Any, tp: int):
@@ -100,7 +98,7 @@ def build_gpt_model(hf_config: Any, tp: int, max_sequence_length: int | None = N
     return GPTModel(
         transformer_config(hf_config, tp),
         get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=padded_vocab(hf_config, tp),
+        vocab_size=padded_vocab(hf_config.vocab_size, tp),
         max_sequence_length=max_sequence_length or hf_config.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=int(_rope_parameters(hf_config).get("rope_theta", 10000)),
@@ -122,18 +120,12 @@ def _split_qkv(fused: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, torch
     return tuple(torch.cat([g[i] for g in groups], 0) for i in range(3))  # type: ignore[return-value]
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], 0)
-
-
 def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: int) -> dict[str, torch.Tensor]:
     """The tensors of TP rank `rank`, under GPTModel parameter names."""
     ng = hf_config.num_key_value_heads
-    vocab = padded_vocab(hf_config, tp)
+    vocab = padded_vocab(hf_config.vocab_size, tp)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    out = {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], vocab).chunk(tp, 0)[rank]}
+    out = {"embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], vocab).chunk(tp, 0)[rank]}
     for i in range(hf_config.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = h + "self_attn."
@@ -150,7 +142,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: i
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"].chunk(tp, 1)[rank]
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not tied:
-        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], vocab).chunk(tp, 0)[rank]
+        out["output_layer.weight"] = pad_rows(hf["lm_head.weight"], vocab).chunk(tp, 0)[rank]
     return out
 
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from miles_train.backends.common import GRPOBackend, init_distributed, read_hf_state
+from miles_train.backends.common import GRPOBackend, init_distributed, pad_rows, padded_vocab, read_hf_state
 from miles_train.backends.torchtitan import convert, cpu
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -32,6 +32,7 @@ from miles_train.config import TrainConfig
 log = logging.getLogger(__name__)
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 _SPMD_BACKEND = "partial_dtensor"  # DTensor TP + FSDP2, torchtitan's long-standing path
 
 
@@ -83,7 +84,9 @@ class TorchtitanBackend(GRPOBackend):
         self.dp_rank = rank // self.tp  # mesh order: the tp axis is innermost
         self._dist_utils = dist_utils
 
-        self.model_config = convert.model_config(self.hf_config)
+        self.vocab_size = self.hf_config.vocab_size
+        self.padded_vocab = padded_vocab(self.vocab_size, self.tp)  # vocab-parallel layers split evenly
+        self.model_config = convert.model_config(self.hf_config, self.padded_vocab)
         from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
         # torchtitan's TP plan lives on the model config (what its trainer sets in update_from_config)
@@ -121,13 +124,22 @@ class TorchtitanBackend(GRPOBackend):
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device)  # RoPE tables; the weights are replaced next
-        set_model_state_dict(model, self.adapter.from_hf(hf_state), options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(model, self._from_hf(hf_state), options=StateDictOptions(full_state_dict=True))
         return model
+
+    def _from_hf(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        padded = {name: pad_rows(t, self.padded_vocab) if name in _VOCAB_ROWS else t for name, t in hf_state.items()}
+        return self.adapter.from_hf(padded)
+
+    def _to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hf = self.adapter.to_hf(state)
+        return {name: t[: self.vocab_size] if name in _VOCAB_ROWS else t for name, t in hf.items()}
 
     # ---- GRPOBackend hooks ---------------------------------------------------------------------
     def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
         logits = model(c.input_ids)  # causal attention; right padding never reaches a real token
-        return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        return logits[..., : self.vocab_size]
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -150,7 +162,7 @@ class TorchtitanBackend(GRPOBackend):
     def _hf_state(self) -> dict[str, torch.Tensor]:
         """Full HF-named tensors (collective); meaningful on rank 0."""
         state = get_model_state_dict(self.model, options=_FULL)
-        return self.adapter.to_hf(state) if self.rank == 0 else {}
+        return self._to_hf(state) if self.rank == 0 else {}
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         state = self._hf_state()
@@ -184,7 +196,7 @@ class TorchtitanBackend(GRPOBackend):
         if state.get("backend") != self.name:
             raise ValueError(f"torchtitan: checkpoint {directory} was written by the {state.get('backend')} backend")
         full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, self.adapter.from_hf(read_hf_state(directory)), options=full)
+        set_model_state_dict(self.model, self._from_hf(read_hf_state(directory)), options=full)
         optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
         set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=full)
         self.step = state["step"]

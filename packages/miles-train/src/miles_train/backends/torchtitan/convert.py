@@ -41,17 +41,14 @@ def check_supported(hf_config: Any, tp: int) -> None:
             raise ValueError(
                 f"torchtitan backend: tensor_parallel_size {tp} must divide {name} ({getattr(hf_config, name)})"
             )
-    if hf_config.vocab_size % tp:
-        raise ValueError(
-            f"torchtitan backend: tensor_parallel_size {tp} must divide vocab_size ({hf_config.vocab_size})"
-        )
     scaling = _rope_parameters(hf_config).get("rope_type", "default")
     if scaling not in (None, "default"):
         raise ValueError(f"torchtitan backend: rope scaling {scaling!r} is not supported (only the default RoPE)")
 
 
-def model_config(hf_config: Any):
-    """The torchtitan `Qwen3Model.Config` equal to an HF Qwen2/Llama config."""
+def model_config(hf_config: Any, vocab_size: int | None = None):
+    """The torchtitan `Qwen3Model.Config` equal to an HF Qwen2/Llama config (with the vocabulary
+    padded to `vocab_size` rows when given)."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import GQAttention, QKVLinear, ScaledDotProductAttention
     from torchtitan.models.common.feed_forward import FeedForward
@@ -61,6 +58,7 @@ def model_config(hf_config: Any):
     dim, hd = hf_config.hidden_size, head_dim(hf_config)
     nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     bias = has_qkv_bias(hf_config)
+    vocab = vocab_size or hf_config.vocab_size
     # Weights come from the checkpoint; the initialisers only give meta-built modules defined values.
     linear_init = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
 
@@ -101,14 +99,14 @@ def model_config(hf_config: Any):
         for _ in range(hf_config.num_hidden_layers)
     ]
     return Qwen3Model.Config(
-        vocab_size=hf_config.vocab_size,
+        vocab_size=vocab,
         dim=dim,
         norm=norm(dim),
         enable_weight_tying=bool(getattr(hf_config, "tie_word_embeddings", False)),
         tok_embeddings=Embedding.Config(
-            num_embeddings=hf_config.vocab_size, embedding_dim=dim, param_init={"weight": nn.init.normal_}
+            num_embeddings=vocab, embedding_dim=dim, param_init={"weight": nn.init.normal_}
         ),
-        lm_head=linear(dim, hf_config.vocab_size),
+        lm_head=linear(dim, vocab),
         layers=layers,
     )
 
