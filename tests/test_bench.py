@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+pytestmark = pytest.mark.slow
 
 
-def run_bench(script: str, tmp_path: Path) -> str:
-    pytest.importorskip("sglang", reason="SGLang is not installed")
+def run_bench(script: str, tmp_path: Path, needs_sglang: bool = True) -> str:
+    if needs_sglang:
+        pytest.importorskip("sglang", reason="SGLang is not installed")
     out = tmp_path / "report.md"
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), "--quick", "--out", str(out)],
@@ -24,6 +25,7 @@ def run_bench(script: str, tmp_path: Path) -> str:
     return out.read_text()
 
 
+@pytest.mark.sglang
 def test_rollout_throughput_bench_reports_both_ratios(tmp_path):
     report = run_bench("rollout_throughput.py", tmp_path)
     for path in ("raw SGLang", "over the sglang engine", "in-process hf engine"):
@@ -33,6 +35,7 @@ def test_rollout_throughput_bench_reports_both_ratios(tmp_path):
     assert re.search(r"sglang engine / hf engine .*\*\*\d+\.\d+\*\*", report)
 
 
+@pytest.mark.sglang
 def test_weight_update_bench_covers_every_transport(tmp_path):
     report = run_bench("weight_update.py", tmp_path)
     rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| 4 MB")]
@@ -40,6 +43,17 @@ def test_weight_update_bench_covers_every_transport(tmp_path):
     for row in rows:
         latency, memcpy, ratio = (float(row[i].replace(",", "")) for i in (3, 6, 7))
         assert latency > 0 and memcpy > 0 and ratio > 0
+
+
+def test_trainer_bench_reports_every_backend_against_the_plain_loop(tmp_path):
+    report = run_bench("trainer_throughput.py", tmp_path, needs_sglang=False)
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in report.splitlines() if line.startswith("| ")}
+    expected = ["plain PyTorch loop", "fsdp2", "megatron", "torchtitan", "fsdp2 ×2 ranks", "megatron TP=2"]
+    for name in [*expected, "torchtitan TP=2"]:
+        step_ms, tokens_per_s, ratio = (float(v.replace(",", "")) for v in rows[name][1:4])
+        assert step_ms > 0 and tokens_per_s > 0 and ratio > 0, name
+    assert float(rows["plain PyTorch loop"][3]) == 1
+    assert re.search(r"fsdp2 / plain loop: \*\*\d+\.\d+\*\*", report)
 
 
 def test_schedule_bench_report_is_complete(tmp_path):

@@ -193,8 +193,12 @@ class TorchtitanBackend(GRPOBackend):
     def load(self, directory: str | Path) -> None:
         directory = Path(directory)
         state = json.loads((directory / "trainer_state.json").read_text())
-        if state.get("backend") != self.name:
-            raise ValueError(f"torchtitan: checkpoint {directory} was written by the {state.get('backend')} backend")
+        if state.get("backend") != self.name or state.get("padded_vocab", self.padded_vocab) != self.padded_vocab:
+            raise ValueError(
+                f"torchtitan: checkpoint {directory} was written by {state.get('backend')} with "
+                f"tensor_parallel_size {state.get('tensor_parallel_size')}; this trainer is {self.name} with "
+                f"tensor_parallel_size {self.tp}, which pads the vocabulary to another size (optimizer state differs)"
+            )
         full = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, self._from_hf(read_hf_state(directory)), options=full)
         optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
