@@ -186,6 +186,7 @@ class TorchtitanBackend(GRPOBackend):
                 "backend": self.name,
                 "world_size": self.world_size,
                 "tensor_parallel_size": self.tp,
+                "padded_vocab": self.padded_vocab,
             }
             (directory / "trainer_state.json").write_text(json.dumps(state))
         dist.barrier()
