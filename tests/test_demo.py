@@ -132,11 +132,12 @@ def test_short_demo_on_other_backends(tmp_path, backend, engine):
     _, store = miles_run(tmp_path, *overrides)
     job = store.job(1)
     assert job.status == "succeeded", job.error
-    assert job.spec["train"]["backend"]["type"] in backend
+    assert job.spec["train"]["backend"]["type"] == backend.split(",")[0].removeprefix("{type: ")
     curve = dict(store.metric_series(1, "eval/accuracy"))
     assert curve[steps] >= curve[0] + 0.1, curve  # fsdp2 on the hf engine: 0.36 → 0.59 in 20 steps
     check_weight_syncs(store, 1, steps)
     # The engine samples with the weights the trainer exported; the trainer's logprobs of the same
-    # tokens (before its update) agree to fp32 precision (measured: ≤ 4.5e-7 on SGLang and hf).
+    # tokens (before its update) agree to fp32 precision (mean |Δ| per step measured ≤ 4.5e-7 on
+    # SGLang and hf).
     diffs = [v for _, v in store.metric_series(1, "train/logprob_diff")]
     assert len(diffs) == steps and max(diffs) < 1e-5, diffs

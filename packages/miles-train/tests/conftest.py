@@ -22,3 +22,26 @@ def tiny_model_dir(tmp_path_factory):
     )
     Qwen2ForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A random tiny Llama with tied embeddings (no biases anywhere; the head is the embedding)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama-tied")
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=19,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder

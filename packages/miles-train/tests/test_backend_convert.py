@@ -71,6 +71,36 @@ def test_megatron_rejects_layouts_it_cannot_split():
         convert.check_supported(config, 1)
 
 
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("attention_bias", True),
+        ("mlp_bias", True),
+        ("hidden_act", "gelu"),
+        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4}),
+    ],
+)
+def test_settings_the_rebuilt_models_lack_are_refused(setting, value):
+    """A Llama with biases or another activation would otherwise train with those weights dropped."""
+    from miles_train.backends.hf_family import check_family
+
+    config, _ = _llama()
+    setattr(config, setting, value)
+    for backend in ("megatron", "torchtitan"):
+        with pytest.raises(ValueError, match=f"{backend} backend: llama with {setting.split('_')[0]}"):
+            check_family(config, backend)
+
+
+def test_megatron_refuses_checkpoint_tensors_it_has_no_place_for():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from miles_train.backends.megatron import convert
+
+    config, hf = _llama()
+    hf["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(config.hidden_size)
+    with pytest.raises(ValueError, match="o_proj.bias"):
+        convert.hf_to_megatron(hf, config, 1, 0)
+
+
 def test_torchtitan_rejects_layouts_it_cannot_split():
     pytest.importorskip("torchtitan", reason="torchtitan is not installed")
     from miles_train.backends.torchtitan import convert

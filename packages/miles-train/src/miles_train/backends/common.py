@@ -8,6 +8,7 @@ aggregation over the global batch) is written once here, so the backends cannot 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -180,12 +181,18 @@ class GRPOBackend:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str | None) -> None:
-    """The default process group: NCCL on GPU, gloo on CPU (once per process)."""
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(
-            backend, init_method=init_method or "tcp://127.0.0.1:29512", rank=rank, world_size=world_size
-        )
+    """The default process group: NCCL on GPU, gloo on CPU (once per process). On GPU the rank's
+    device is chosen first: `LOCAL_RANK` when the launcher sets it, else the rank modulo the
+    visible devices (Ray gives each trainer actor its own GPU, so that is 0)."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend, init_method=init_method or "tcp://127.0.0.1:29512", rank=rank, world_size=world_size
+    )
 
 
 def read_hf_state(model_path: str | Path) -> dict[str, torch.Tensor]:
@@ -211,3 +218,21 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], 0)
+
+
+def save_hf_weights(directory: Path, hf_config: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """`config.json` + `model.safetensors` as `save_pretrained` writes them: a tied head is left out
+    (it is the embedding; safetensors refuses tensors that share memory)."""
+    from safetensors.torch import save_file
+
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    hf_config.save_pretrained(directory)
+    weights = {k: v.contiguous() for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
+    save_file(weights, str(directory / "model.safetensors"))
+
+
+def with_tied_head(hf_config: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF state dict of a checkpoint folder: a tied model's head named again (as `state_dict()` has it)."""
+    if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in tensors:
+        return {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}
+    return tensors

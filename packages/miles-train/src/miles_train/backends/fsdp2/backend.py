@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -19,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM
 
-from miles_train.backends.common import GRPOBackend, init_distributed
+from miles_train.backends.common import GRPOBackend, init_distributed, save_hf_weights, with_tied_head
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -90,8 +89,7 @@ class FSDP2Backend(GRPOBackend):
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
         if self.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
-            self.model.config.save_pretrained(directory)
-            save_file({k: v.contiguous() for k, v in model_state.items()}, str(directory / "model.safetensors"))
+            save_hf_weights(directory, self.model.config, model_state)
             torch.save(optim_state, directory / "optimizer.pt")
             (directory / "trainer_state.json").write_text(json.dumps({"step": self.step, "backend": self.name}))
         dist.barrier()
@@ -100,7 +98,10 @@ class FSDP2Backend(GRPOBackend):
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        model_state = load_file(str(directory / "model.safetensors"))
+        written_by = json.loads((directory / "trainer_state.json").read_text()).get("backend")
+        if written_by != self.name:
+            raise ValueError(f"fsdp2: checkpoint {directory} was written by the {written_by} backend")
+        model_state = with_tied_head(self.model.config, load_file(str(directory / "model.safetensors")))
         set_model_state_dict(self.model, model_state, options=StateDictOptions(full_state_dict=True))
         optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
         set_optimizer_state_dict(

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles_train.backends.common import GRPOBackend, init_distributed, read_hf_state
+from miles_train.backends.common import GRPOBackend, init_distributed, read_hf_state, save_hf_weights
 from miles_train.backends.megatron import convert, cpu
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -55,7 +55,6 @@ class MegatronBackend(GRPOBackend):
         init_distributed(rank, world_size, init_method)
         cpu.apply()
         if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
@@ -94,6 +93,7 @@ class MegatronBackend(GRPOBackend):
             # the checkpoint, so nothing draws from it: the inference tracker (no fork) suffices.
             tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         else:
+            # Megatron's tracker (per-TP-rank CUDA generators); dropout is off, so the seed is inert
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
     def _build(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -145,8 +145,9 @@ class MegatronBackend(GRPOBackend):
         ids = c.input_ids
         seq = ids.shape[1]
         position_ids = torch.arange(seq, device=ids.device)[None].expand_as(ids)
-        # Right padding: with a causal mask no real token attends to padding. The mask is explicit
-        # (True = masked) because the local attention has no implicit causal path without TE.
+        # Right padding: with a causal mask no real token attends to padding. The mask is passed
+        # (True = masked) because the local attention's default causal mask is built on "cuda";
+        # an s × s boolean per forward costs nothing next to the attention itself.
         causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=ids.device), 1)[None, None]
         logits = model(ids, position_ids, causal, runtime_gather_output=True)
         return logits[..., : self.hf_config.vocab_size]
@@ -188,14 +189,11 @@ class MegatronBackend(GRPOBackend):
 
     def save(self, directory: str | Path) -> None:
         """An HF folder (config + model.safetensors) plus each rank's optimizer state."""
-        from safetensors.torch import save_file
-
         directory = Path(directory)
         weights = {name: t.contiguous() for name, t in self.export_weights()}
         if self.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
-            self.hf_config.save_pretrained(directory)
-            save_file(weights, str(directory / "model.safetensors"))
+            save_hf_weights(directory, self.hf_config, weights)
             state = {
                 "step": self.step,
                 "backend": self.name,

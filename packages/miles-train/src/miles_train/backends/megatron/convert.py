@@ -19,42 +19,13 @@ from typing import Any
 import torch
 
 from miles_train.backends.common import pad_rows, padded_vocab
-
-SUPPORTED = ("qwen2", "llama")
+from miles_train.backends.hf_family import check_divides, check_family, has_qkv_bias, head_dim, rope_parameters
 
 
 def check_supported(hf_config: Any, tp: int) -> None:
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED:
-        raise ValueError(f"megatron backend: model_type {model_type!r} is not supported (one of {SUPPORTED})")
-    kv = hf_config.num_key_value_heads
-    if hf_config.num_attention_heads % kv:
-        raise ValueError("megatron backend: num_attention_heads must be a multiple of num_key_value_heads")
-    if kv % tp:
-        raise ValueError(
-            f"megatron backend: tensor_parallel_size {tp} must divide num_key_value_heads ({kv}): "
-            "each rank holds whole key-value groups"
-        )
-    if hf_config.intermediate_size % tp:
-        raise ValueError(f"megatron backend: tensor_parallel_size {tp} must divide intermediate_size")
-    scaling = _rope_parameters(hf_config).get("rope_type", "default")
-    if scaling not in (None, "default"):
-        raise ValueError(f"megatron backend: rope scaling {scaling!r} is not supported (only the default RoPE)")
-
-
-def _rope_parameters(hf_config: Any) -> dict:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if "rope_theta" not in params and hasattr(hf_config, "rope_theta"):  # transformers 4.x
-        params = {"rope_theta": hf_config.rope_theta, **(getattr(hf_config, "rope_scaling", None) or {})}
-    return params
-
-
-def head_dim(hf_config: Any) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def has_qkv_bias(hf_config: Any) -> bool:
-    return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    check_family(hf_config, "megatron")
+    # each rank holds whole key-value groups
+    check_divides(hf_config, "megatron", tp, ("num_key_value_heads", "intermediate_size"))
 
 
 def transformer_config(hf_config: Any, tp: int):
@@ -101,7 +72,7 @@ def build_gpt_model(hf_config: Any, tp: int, max_sequence_length: int | None = N
         vocab_size=padded_vocab(hf_config.vocab_size, tp),
         max_sequence_length=max_sequence_length or hf_config.max_position_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(_rope_parameters(hf_config).get("rope_theta", 10000)),
+        rotary_base=int(rope_parameters(hf_config).get("rope_theta", 10000)),
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         parallel_output=True,
     )
@@ -121,28 +92,39 @@ def _split_qkv(fused: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, torch
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """The tensors of TP rank `rank`, under GPTModel parameter names."""
+    """The tensors of TP rank `rank`, under GPTModel parameter names. Every HF tensor must find a
+    place (a checkpoint with more than the config says raises instead of being dropped)."""
+    used: set[str] = set()
+
+    def get(name: str) -> torch.Tensor:
+        used.add(name)
+        return hf[name]
+
     ng = hf_config.num_key_value_heads
     vocab = padded_vocab(hf_config.vocab_size, tp)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    out = {"embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], vocab).chunk(tp, 0)[rank]}
+    out = {"embedding.word_embeddings.weight": pad_rows(get("model.embed_tokens.weight"), vocab).chunk(tp, 0)[rank]}
     for i in range(hf_config.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = h + "self_attn."
-        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        qkv = _fused_qkv(hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], ng)
+        out[m + "input_layernorm.weight"] = get(h + "input_layernorm.weight")
+        qkv = _fused_qkv(get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"), ng)
         out[m + "self_attention.linear_qkv.weight"] = qkv.chunk(tp, 0)[rank]
         if has_qkv_bias(hf_config):
-            bias = _fused_qkv(hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], ng)
+            bias = _fused_qkv(get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), ng)
             out[m + "self_attention.linear_qkv.bias"] = bias.chunk(tp, 0)[rank]
-        out[m + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"].chunk(tp, 1)[rank]
-        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
+        out[m + "self_attention.linear_proj.weight"] = get(attn + "o_proj.weight").chunk(tp, 1)[rank]
+        out[m + "pre_mlp_layernorm.weight"] = get(h + "post_attention_layernorm.weight")
+        gate, up = get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], 0)
-        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"].chunk(tp, 1)[rank]
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        out[m + "mlp.linear_fc2.weight"] = get(h + "mlp.down_proj.weight").chunk(tp, 1)[rank]
+    out["decoder.final_layernorm.weight"] = get("model.norm.weight")
     if not tied:
-        out["output_layer.weight"] = pad_rows(hf["lm_head.weight"], vocab).chunk(tp, 0)[rank]
+        out["output_layer.weight"] = pad_rows(get("lm_head.weight"), vocab).chunk(tp, 0)[rank]
+    ignorable = {"lm_head.weight"} if tied else set()  # a tied head is the embedding
+    unused = sorted(n for n in set(hf) - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"megatron backend: the checkpoint has tensors the model has no place for: {unused[:5]}")
     return out
 
 
@@ -179,3 +161,5 @@ def megatron_to_hf(shards: dict[str, list[torch.Tensor]], hf_config: Any) -> Ite
     yield "model.norm.weight", shards["decoder.final_layernorm.weight"][0]
     if "output_layer.weight" in shards:
         yield "lm_head.weight", whole("output_layer.weight", 0)[:vocab]
+    else:  # tied: an HF state dict still names the head
+        yield "lm_head.weight", whole("embedding.word_embeddings.weight", 0)[:vocab]

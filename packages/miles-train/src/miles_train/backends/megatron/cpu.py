@@ -8,7 +8,6 @@ module does anything: `apply()` returns at once and `on_cpu()` is a no-op contex
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -80,14 +79,3 @@ def on_cpu():
     """Context for megatron-core calls that create tensors on 'cuda' (optimizer build, step, state
     dicts). A no-op on GPU machines."""
     return _CudaToCpu() if needed() else contextlib.nullcontext()
-
-
-def host_device_calls(fn):
-    """Decorator form of `on_cpu()`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with on_cpu():
-            return fn(*args, **kwargs)
-
-    return wrapper

@@ -24,7 +24,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from miles_train.backends.common import GRPOBackend, init_distributed, pad_rows, padded_vocab, read_hf_state
+from miles_train.backends.common import (
+    GRPOBackend,
+    init_distributed,
+    pad_rows,
+    padded_vocab,
+    read_hf_state,
+    save_hf_weights,
+)
 from miles_train.backends.torchtitan import convert, cpu
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -65,7 +72,6 @@ class TorchtitanBackend(GRPOBackend):
         init_distributed(rank, world_size, init_method)
         cpu.apply()
         if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         from torchtitan.config.configs import ParallelismConfig
         from torchtitan.distributed import utils as dist_utils
@@ -133,6 +139,8 @@ class TorchtitanBackend(GRPOBackend):
 
     def _to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hf = self.adapter.to_hf(state)
+        if "lm_head.weight" not in hf:  # tied: the adapter leaves the head out, an HF state dict names it
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
         return {name: t[: self.vocab_size] if name in _VOCAB_ROWS else t for name, t in hf.items()}
 
     # ---- GRPOBackend hooks ---------------------------------------------------------------------
@@ -171,15 +179,12 @@ class TorchtitanBackend(GRPOBackend):
 
     def save(self, directory: str | Path) -> None:
         """An HF folder (config + model.safetensors) plus the full optimizer state."""
-        from safetensors.torch import save_file
-
         directory = Path(directory)
         weights = self._hf_state()
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
         if self.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
-            self.hf_config.save_pretrained(directory)
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+            save_hf_weights(directory, self.hf_config, weights)
             torch.save(optim_state, directory / "optimizer.pt")
             state = {
                 "step": self.step,
@@ -194,11 +199,13 @@ class TorchtitanBackend(GRPOBackend):
     def load(self, directory: str | Path) -> None:
         directory = Path(directory)
         state = json.loads((directory / "trainer_state.json").read_text())
-        if state.get("backend") != self.name or state.get("padded_vocab", self.padded_vocab) != self.padded_vocab:
+        if state.get("backend") != self.name:
+            raise ValueError(f"torchtitan: checkpoint {directory} was written by the {state.get('backend')} backend")
+        if state.get("padded_vocab", self.padded_vocab) != self.padded_vocab:
             raise ValueError(
-                f"torchtitan: checkpoint {directory} was written by {state.get('backend')} with "
-                f"tensor_parallel_size {state.get('tensor_parallel_size')}; this trainer is {self.name} with "
-                f"tensor_parallel_size {self.tp}, which pads the vocabulary to another size (optimizer state differs)"
+                f"torchtitan: checkpoint {directory} was written with tensor_parallel_size "
+                f"{state.get('tensor_parallel_size')}, which pads the vocabulary to {state.get('padded_vocab')} rows; "
+                f"tensor_parallel_size {self.tp} pads it to {self.padded_vocab} (the optimizer state differs)"
             )
         full = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, self._from_hf(read_hf_state(directory)), options=full)

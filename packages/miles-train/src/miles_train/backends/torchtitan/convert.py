@@ -14,36 +14,12 @@ from typing import Any
 
 import torch.nn as nn
 
-SUPPORTED = ("qwen2", "llama")
-
-
-def _rope_parameters(hf_config: Any) -> dict:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if "rope_theta" not in params and hasattr(hf_config, "rope_theta"):  # transformers 4.x
-        params = {"rope_theta": hf_config.rope_theta, **(getattr(hf_config, "rope_scaling", None) or {})}
-    return params
-
-
-def head_dim(hf_config: Any) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def has_qkv_bias(hf_config: Any) -> bool:
-    return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+from miles_train.backends.hf_family import check_divides, check_family, has_qkv_bias, head_dim, rope_parameters
 
 
 def check_supported(hf_config: Any, tp: int) -> None:
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED:
-        raise ValueError(f"torchtitan backend: model_type {model_type!r} is not supported (one of {SUPPORTED})")
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(hf_config, name) % tp:
-            raise ValueError(
-                f"torchtitan backend: tensor_parallel_size {tp} must divide {name} ({getattr(hf_config, name)})"
-            )
-    scaling = _rope_parameters(hf_config).get("rope_type", "default")
-    if scaling not in (None, "default"):
-        raise ValueError(f"torchtitan backend: rope scaling {scaling!r} is not supported (only the default RoPE)")
+    check_family(hf_config, "torchtitan")
+    check_divides(hf_config, "torchtitan", tp, ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
 
 
 def model_config(hf_config: Any, vocab_size: int | None = None):
@@ -71,7 +47,7 @@ def model_config(hf_config: Any, vocab_size: int | None = None):
     rope = CosSinRoPE.Config(
         dim=hd,
         max_seq_len=hf_config.max_position_embeddings,
-        theta=float(_rope_parameters(hf_config).get("rope_theta", 10000.0)),
+        theta=float(rope_parameters(hf_config).get("rope_theta", 10000.0)),
     )
     layers = [
         Qwen3TransformerBlock.Config(

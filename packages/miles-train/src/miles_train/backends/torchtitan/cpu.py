@@ -20,11 +20,16 @@ def apply() -> None:
     if _applied or not needed():
         return
     _applied = True
+    import sys
+
     import torchtitan.tools.utils as tt_utils
 
     # torchtitan picks its device once at import ("cuda" when nothing else is found) and its
-    # distributed helpers build meshes and tensors on it: point it at the host.
-    tt_utils.device_type, tt_utils.device_module = "cpu", torch.cpu
+    # distributed helpers build meshes and tensors on it: point it at the host. Modules that
+    # already copied the value at their import get it too.
+    for module in [tt_utils, *(m for n, m in list(sys.modules.items()) if n.startswith("torchtitan."))]:
+        if getattr(module, "device_type", None) == "cuda":
+            module.device_type, module.device_module = "cpu", torch.cpu
 
 
 def after_parallelize(model: torch.nn.Module) -> None:
