@@ -88,11 +88,7 @@ class MegatronBackend(GRPOBackend):
     def _init_rng(self, config: TrainConfig) -> None:
         from megatron.core import tensor_parallel
 
-        if cpu.needed():
-            # The training RNG tracker forks CUDA generators. Dropout is off and weights come from
-            # the checkpoint, so nothing draws from it: the inference tracker (no fork) suffices.
-            tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-        else:
+        if not cpu.init_rng_tracker():
             # Megatron's tracker (per-TP-rank CUDA generators); dropout is off, so the seed is inert
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
 

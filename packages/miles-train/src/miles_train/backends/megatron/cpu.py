@@ -61,6 +61,18 @@ def apply() -> None:
     megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def init_rng_tracker() -> bool:
+    """Megatron's training RNG tracker forks CUDA generators. Dropout is off and weights come from
+    the checkpoint, so nothing draws from it: on CPU, the inference tracker (no fork) stands in.
+    Returns False on GPU, where the caller seeds Megatron's own tracker."""
+    if not needed():
+        return False
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return True
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites `device="cuda"` (and `.cuda()`) in torch calls to the host. Megatron's optimizer
     creates its flags, norms and loss scale with `device='cuda'` literally."""
