@@ -9,8 +9,11 @@ aggregation over the global batch) is written once here, so the backends cannot 
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -175,24 +178,51 @@ class GRPOBackend:
         return unpad_response(self._padded_logprobs(batch), batch)
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its group down while a peer still talks to it
-            dist.destroy_process_group()
+        close_distributed(self.rank, self.world_size)
+
+
+_store: Any = None  # the rendezvous store, when init_distributed made it (tcp:// addresses)
 
 
 def init_distributed(rank: int, world_size: int, init_method: str | None) -> None:
     """The default process group: NCCL on GPU, gloo on CPU (once per process). On GPU the rank's
     device is chosen first: `LOCAL_RANK` when the launcher sets it, else the rank modulo the
-    visible devices (Ray gives each trainer actor its own GPU, so that is 0)."""
+    visible devices (Ray gives each trainer actor its own GPU, so that is 0).
+
+    For a `tcp://host:port` address the rendezvous store is made here and kept, so that `shutdown`
+    can hold rank 0 (which hosts the store) until every rank has torn its group down."""
+    global _store
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
         torch.cuda.set_device(local)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(
-        backend, init_method=init_method or "tcp://127.0.0.1:29512", rank=rank, world_size=world_size
-    )
+    address = urlparse(init_method or "tcp://127.0.0.1:29512")
+    if address.scheme == "tcp" and address.hostname and address.port:
+        _store = dist.TCPStore(
+            address.hostname, address.port, world_size, is_master=rank == 0, timeout=timedelta(seconds=300)
+        )
+        dist.init_process_group(backend, store=_store, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+
+
+def close_distributed(rank: int, world_size: int) -> None:
+    """Tear the default group down on every rank. Rank 0 returns last: a rank whose group still
+    talks to the store of a rank 0 that has exited aborts in gloo's teardown (seen in CI)."""
+    global _store
+    if not dist.is_initialized():
+        return
+    dist.barrier()  # no rank tears its group down while a peer still talks to it
+    dist.destroy_process_group()
+    if _store is not None:
+        closed = _store.add("miles/closed", 1)
+        deadline = time.monotonic() + 30
+        while rank == 0 and closed < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            closed = _store.add("miles/closed", 0)
+        _store = None
 
 
 def read_hf_state(model_path: str | Path) -> dict[str, torch.Tensor]:
