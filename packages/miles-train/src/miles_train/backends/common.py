@@ -44,11 +44,23 @@ class GRPOBackend:
     name = "base"
     loss_scale: float = 1.0
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, init_method: str | None) -> None:
+        """Checks the rank count, sets torch's threads, joins the default process group and picks
+        the device (this rank's GPU, else the host)."""
+        if config.backend.world_size != world_size:
+            raise ValueError(
+                f"{self.name}: started with {world_size} ranks but train.backend.world_size is "
+                f"{config.backend.world_size}"
+            )
+        if config.backend.num_threads is not None:
+            torch.set_num_threads(config.backend.num_threads)
+        init_distributed(rank, world_size, init_method)
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.dp_rank, self.dp_size = rank, world_size
-        self.device = torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.model: Any = None
         self.reference: Any = None
         self.pad_token_id = 0

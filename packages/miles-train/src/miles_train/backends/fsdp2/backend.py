@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM
 
-from miles_train.backends.common import GRPOBackend, init_distributed, save_hf_weights, with_tied_head
+from miles_train.backends.common import GRPOBackend, save_hf_weights, with_tied_head
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -41,14 +41,8 @@ class FSDP2Backend(GRPOBackend):
         world_size: int = 1,
         init_method: str | None = None,
     ) -> None:
-        super().__init__(config, rank, world_size)
+        super().__init__(config, rank, world_size, init_method)
         self.loss_scale = float(world_size)  # FSDP2 averages over ranks: × world_size gives the global token mean
-        if config.backend.num_threads is not None:
-            torch.set_num_threads(config.backend.num_threads)
-        init_distributed(rank, world_size, init_method)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        )
         self.model = self._load(model_path)
         self.model.train()
         self.pad_token_id = self.model.config.pad_token_id or 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles_train.backends.common import GRPOBackend, init_distributed, read_hf_state, save_hf_weights
+from miles_train.backends.common import GRPOBackend, read_hf_state, save_hf_weights
 from miles_train.backends.megatron import convert, cpu
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -38,24 +38,14 @@ class MegatronBackend(GRPOBackend):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from transformers import AutoConfig
 
-        super().__init__(config, rank, world_size)
+        super().__init__(config, rank, world_size, init_method)
         backend = config.backend
-        if backend.world_size != world_size:
-            raise ValueError(
-                f"megatron: started with {world_size} ranks but train.backend.world_size is {backend.world_size}"
-            )
-        if backend.num_threads is not None:
-            torch.set_num_threads(backend.num_threads)
         self.tp = backend.tensor_parallel_size
-        self.model_path = Path(model_path)
         self.hf_config = AutoConfig.from_pretrained(str(model_path))
         convert.check_supported(self.hf_config, self.tp)
         self.pad_token_id = self.hf_config.pad_token_id or 0
 
-        init_distributed(rank, world_size, init_method)
         cpu.apply()
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", torch.cuda.current_device())
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=self.tp, create_gloo_process_groups=False

@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from miles_train.backends.common import (
     GRPOBackend,
-    init_distributed,
     pad_rows,
     padded_vocab,
     read_hf_state,
@@ -56,23 +55,14 @@ class TorchtitanBackend(GRPOBackend):
     ) -> None:
         from transformers import AutoConfig
 
-        super().__init__(config, rank, world_size)
+        super().__init__(config, rank, world_size, init_method)
         backend = config.backend
-        if backend.world_size != world_size:
-            raise ValueError(
-                f"torchtitan: started with {world_size} ranks but train.backend.world_size is {backend.world_size}"
-            )
-        if backend.num_threads is not None:
-            torch.set_num_threads(backend.num_threads)
         self.tp = backend.tensor_parallel_size
         self.hf_config = AutoConfig.from_pretrained(str(model_path))
         convert.check_supported(self.hf_config, self.tp)
         self.pad_token_id = self.hf_config.pad_token_id or 0
 
-        init_distributed(rank, world_size, init_method)
         cpu.apply()
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", torch.cuda.current_device())
         from torchtitan.config.configs import ParallelismConfig
         from torchtitan.distributed import utils as dist_utils
         from torchtitan.distributed.parallel_dims import ParallelDims
