@@ -79,6 +79,8 @@ def test_wire_dtype_casts_floats_only(transport, tmp_path):
     assert torch.equal(got["lm_head.weight"], dict(weights)["lm_head.weight"].to(torch.bfloat16))
     assert got["step_counter"].dtype == torch.int64
     assert handle.fingerprint == weight_fingerprint(weights, dtype=torch.bfloat16)
+    assert handle.dtype == "bfloat16"  # receivers compare in the dtype that was sent
+    assert make_sender(transport, tmp_path / "b").publish(weights, weight_version=2).dtype is None
 
 
 def test_published_version_is_immutable(transport, tmp_path):
@@ -194,3 +196,33 @@ def test_broadcast_group_counts_every_receiver(tmp_path):
     sender.wait(60)
     assert outs == [handle.fingerprint] * 3
     sender.close()
+
+
+def test_a_tied_head_is_never_published():
+    from miles_sync import TIED_HEAD, without_tied_head
+
+    weights = sample_weights()
+    assert [n for n, _ in without_tied_head(weights, tied=True)] == [n for n, _ in weights if n != TIED_HEAD]
+    assert [n for n, _ in without_tied_head(weights, tied=False)] == [n for n, _ in weights]
+
+
+@pytest.mark.parametrize(
+    ("wire", "engines", "resolved", "refused"),
+    [
+        ("auto", "bfloat16", "bfloat16", None),  # the common case: the checkpoint's dtype, no setting needed
+        ("auto", "float32", "float32", None),
+        ("bfloat16", "float32", "bfloat16", None),  # fp32 engines hold bf16 values exactly
+        ("float32", "bfloat16", None, "sync.dtype: float32 is not what the engines hold"),
+        ("float16", "bfloat16", None, "sync.dtype: float16 is not what the engines hold"),
+        (None, "bfloat16", None, "sync.dtype: null sends the trainer's fp32 master weights"),
+        (None, "float32", None, None),
+    ],
+)
+def test_wire_dtype_resolves_against_the_engines(wire, engines, resolved, refused):
+    config = SyncConfig(dtype=wire)
+    if refused:
+        with pytest.raises(ValueError, match=refused):
+            config.for_engines(engines)
+        assert SyncConfig(dtype=wire, check_weights=False).for_engines(engines).dtype == wire  # unchecked: allowed
+    else:
+        assert config.for_engines(engines).dtype == resolved

@@ -15,6 +15,8 @@ _EXPORTS = {
     "TRANSPORTS": "transports",
     "build_sender": "transports",
     "read_buckets": "transports",
+    "TIED_HEAD": "naming",
+    "without_tied_head": "naming",
     "NamedTensor": "types",
     "NamedTensors": "types",
     "WeightHandle": "types",

@@ -12,7 +12,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def wire_dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else _DTYPES[name]
+    """The torch dtype of a `sync.dtype` name; None (and an unresolved "auto") send tensors as given."""
+    return None if name in (None, "auto") else _DTYPES[name]
 
 
 def cast_for_wire(named_tensors: NamedTensors, dtype: torch.dtype | None) -> Iterator[NamedTensor]:

@@ -8,6 +8,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 TransportName = Literal["inproc", "disk", "tensor", "broadcast"]
 WireDtype = Literal["float32", "bfloat16", "float16"]
+AUTO = "auto"
+
+
+def holds_exactly(held: str, sent: str) -> bool:
+    """True when every value of dtype `sent` is exactly representable in dtype `held`: a receiver holding `held`
+    keeps what it was sent bit for bit, and casting back gives the sent tensor."""
+    return held == sent or (held == "float32" and sent in ("bfloat16", "float16"))
 
 
 class SyncConfig(BaseModel):
@@ -22,8 +29,12 @@ class SyncConfig(BaseModel):
         "machine only; broadcast: torch.distributed broadcast from the trainer to the engines (gloo | nccl).",
     )
     bucket_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Maximum bytes per bucket.")
-    dtype: WireDtype | None = Field(
-        None, description="Cast floating-point weights to this dtype before sending; None keeps them."
+    dtype: WireDtype | Literal["auto"] | None = Field(
+        AUTO,
+        description="Cast floating-point weights to this dtype before sending. auto: the engines' dtype (the "
+        "checkpoint's unless the engine config names another), so the engines receive exactly the values they "
+        "hold and the weight check compares like with like; None: as the trainer holds them (fp32 master "
+        "weights). A sender built outside a job treats auto as None.",
     )
     dir: str | None = Field(
         None, description="Folder for the disk transport; a temporary folder under the run when None."
@@ -44,3 +55,22 @@ class SyncConfig(BaseModel):
     check_weights: bool = Field(
         True, description="After every push, compare the engine's weight fingerprint with the trainer's."
     )
+
+    def for_engines(self, engine_dtype: str) -> SyncConfig:
+        """This config with `dtype: auto` resolved to the dtype the engines hold. A wire dtype the engines cannot
+        hold exactly is refused while `check_weights` is on: they would round what they receive, and no push
+        could pass the check."""
+        dtype = engine_dtype if self.dtype == AUTO else self.dtype
+        if self.check_weights and dtype is not None and not holds_exactly(engine_dtype, dtype):
+            raise ValueError(
+                f"sync.dtype: {dtype} is not what the engines hold ({engine_dtype}): they would round every push "
+                f"and the weight check could never pass; use sync.dtype: auto (sends {engine_dtype}), or "
+                "sync.check_weights: false"
+            )
+        if self.check_weights and dtype is None and engine_dtype != "float32":
+            raise ValueError(
+                f"sync.dtype: null sends the trainer's fp32 master weights, which the engines round to "
+                f"{engine_dtype}: the weight check could never pass; use sync.dtype: auto, or "
+                "sync.check_weights: false"
+            )
+        return self.model_copy(update={"dtype": dtype})

@@ -27,6 +27,10 @@ class WeightHandle:
     num_bytes: int
     num_buckets: int
     fingerprint: str
+    dtype: str | None = None
+    """The dtype floating-point tensors were cast to before sending (`sync.dtype`); None: sent as given.
+    A receiver that holds a wider dtype reports its fingerprint in this one, so the check compares like with
+    like."""
     location: str | None = None  # disk: the folder holding the buckets
     buckets: list[list[NamedTensor]] | None = field(default=None, repr=False)  # inproc: the tensors
     payloads: list[str] | None = field(default=None, repr=False)  # tensor: serialized shared-memory buckets

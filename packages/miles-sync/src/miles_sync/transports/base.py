@@ -39,6 +39,7 @@ class BucketedSender:
                 num_bytes=num_bytes,
                 num_buckets=num_buckets,
                 fingerprint=fp.hexdigest(),
+                dtype=None if self._dtype is None else self.config.dtype,
             )
         )
 
