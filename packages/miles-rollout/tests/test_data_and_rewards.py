@@ -1,4 +1,5 @@
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -107,3 +108,36 @@ def test_exact_match_and_registry():
 def test_invalid_rewards_are_named(name, message):
     with pytest.raises(ValueError, match=message):
         resolve_reward(name)
+
+
+def test_prompts_given_as_messages(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    path.write_text(json.dumps({"prompt": conversation, "label": "Paris"}) + "\n")
+    [record] = load_prompts(path)
+    assert record.messages == conversation and record.prompt == "Capital of France?"
+    assert load_prompts(write_jsonl([record], tmp_path / "again.jsonl")) == [record]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([], r"chat.jsonl:line 1: prompt: an empty list of messages"),
+        ([{"role": "user"}], r"chat.jsonl:line 1: prompt\[0\]: expected"),
+        ([{"role": "narrator", "content": "x"}], r"prompt\[0\].role: 'narrator' is not one of"),
+    ],
+)
+def test_malformed_messages_name_the_line_and_entry(tmp_path, prompt, message):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "label": "x"}) + "\n")
+    with pytest.raises(PromptDataError, match=message):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize("value", ["3", None, float("nan"), [1.0]])
+def test_a_reward_that_is_not_a_number_names_the_function_and_the_value(value):
+    from miles_rollout.rewards import RewardError, score
+
+    with pytest.raises(RewardError, match=rf"reward 'my.rewards:f' returned {re.escape(repr(value)[:20])}"):
+        score(lambda s: value, sample("an answer", "95"), "my.rewards:f")
+    assert score(lambda s: True, sample("a", "b"), "f") == 1.0  # bool and ints are numbers

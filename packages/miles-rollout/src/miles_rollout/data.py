@@ -30,10 +30,35 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", label_key: str = 
         if missing:
             raise PromptDataError(f"{path}:{where}: missing key(s) {missing}; present: {sorted(row)}")
         extra = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
-        records.append(PromptRecord(str(row[prompt_key]), str(row[label_key]), extra))
+        prompt = row[prompt_key]
+        if isinstance(prompt, list):
+            messages = _messages(prompt, f"{path}:{where}: {prompt_key}")
+            user = [m["content"] for m in messages if m["role"] == "user"]
+            records.append(
+                PromptRecord(user[-1] if user else messages[-1]["content"], str(row[label_key]), extra, messages)
+            )
+        else:
+            records.append(PromptRecord(str(prompt), str(row[label_key]), extra))
     if not records:
         raise PromptDataError(f"{path}: no prompts")
     return records
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _messages(value: list, where: str) -> list[dict[str, str]]:
+    """A conversation given as a list of {"role", "content"} objects, checked entry by entry."""
+    if not value:
+        raise PromptDataError(f"{where}: an empty list of messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise PromptDataError(f'{where}[{i}]: expected {{"role": ..., "content": "text"}}, got {message!r:.80}')
+        if message.get("role") not in ROLES:
+            raise PromptDataError(f"{where}[{i}].role: {message.get('role')!r} is not one of {', '.join(ROLES)}")
+        out.append({"role": message["role"], "content": message["content"]})
+    return out
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
@@ -66,7 +91,8 @@ def write_jsonl(records: list[PromptRecord], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as handle:
         for r in records:
-            handle.write(json.dumps({"prompt": r.prompt, "label": r.label, **r.metadata}) + "\n")
+            prompt = r.messages if r.messages is not None else r.prompt
+            handle.write(json.dumps({"prompt": prompt, "label": r.label, **r.metadata}) + "\n")
     return path
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 from miles_rollout.config import RolloutConfig, SamplingConfig
+from miles_rollout.prompts import PromptEncoder
 from miles_rollout.protocol import RolloutEngine
-from miles_rollout.rewards import resolve_reward
+from miles_rollout.rewards import resolve_reward, score
 from miles_rollout.types import (
     GenerateRequest,
     PromptRecord,
@@ -21,13 +22,17 @@ from miles_rollout.types import (
 class RolloutManager:
     """Draws `num_samples_per_prompt` responses per prompt from an engine and scores them.
 
-    The tokenizer is used only at the edges: prompts are encoded once, responses decoded for the
-    reward function; the ids the engine produced are what the trainer receives.
+    The tokenizer is used only at the edges: prompts are encoded once (by `encoder`: plain text, or a chat
+    template), responses decoded for the reward function; the ids the engine produced are what the trainer
+    receives.
     """
 
-    def __init__(self, engine: RolloutEngine, tokenizer, config: RolloutConfig) -> None:
+    def __init__(
+        self, engine: RolloutEngine, tokenizer, config: RolloutConfig, encoder: PromptEncoder | None = None
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.encoder = encoder or PromptEncoder(tokenizer)
         self.config = config
         self.reward_fn = resolve_reward(config.reward)
         self._stop_token_ids = self._stop_ids(config.sampling.stop)
@@ -57,7 +62,7 @@ class RolloutManager:
     ) -> RolloutBatch:
         n = self.config.num_samples_per_prompt if num_samples_per_prompt is None else num_samples_per_prompt
         sampling = self.sampling_params(self.config.sampling, temperature)
-        prompt_ids = [self.tokenizer.encode(p.prompt) for p in prompts]
+        prompt_ids = [self.encoder.encode(p) for p in prompts]
         requests = [
             GenerateRequest(ids, sampling, request_id=f"{g}-{k}") for g, ids in enumerate(prompt_ids) for k in range(n)
         ]
@@ -85,7 +90,7 @@ class RolloutManager:
             )
         num_tokens = sum(len(s.response_ids) for s in samples)
         for sample in samples:
-            sample.reward = float(self.reward_fn(sample))
+            sample.reward = score(self.reward_fn, sample, self.config.reward)
         scored = time.time()
         return RolloutBatch(
             samples,

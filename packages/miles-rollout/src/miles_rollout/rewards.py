@@ -6,6 +6,8 @@ float.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 
 from miles_rollout.plugins import resolve_dotted
@@ -24,6 +26,23 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
         return fn
 
     return decorate
+
+
+class RewardError(ValueError):
+    """A reward function that returned something other than a finite number; names the function and the value."""
+
+
+def score(reward_fn: RewardFn, sample: Sample, name: str) -> float:
+    """`reward_fn(sample)` as a float; a non-number (or NaN, inf) raises RewardError naming `name` and the value."""
+    value = reward_fn(sample)
+    if isinstance(value, numbers.Real) and math.isfinite(value):  # bool and NumPy scalars are numbers too
+        return float(value)
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise RewardError(
+        f"reward {name!r} returned {shown} ({type(value).__name__}) for the response {sample.response_text[:60]!r} "
+        f"to {sample.prompt[:60]!r}: a reward must be a finite number"
+    )
 
 
 def registered_rewards() -> list[str]:

@@ -59,9 +59,13 @@ def status_of(reason: FinishReason) -> SampleStatus:
 
 @dataclass
 class PromptRecord:
+    """One prompt of a task. `prompt` is its text (for a conversation, the last user turn's); `messages`, when
+    the data gives a conversation (`[{"role": ..., "content": ...}, ...]`), is rendered with the chat template."""
+
     prompt: str
     label: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass

@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from miles_rollout.config import HFEngineConfig, SGLangEngineConfig
 from miles_rollout.protocol import RolloutEngine
+
+
+def check_model(config: HFEngineConfig | SGLangEngineConfig, hf_config: Any) -> None:
+    """Raise ValueError naming the config.json field of `hf_config` the engine cannot serve as configured. The
+    hf engine runs whatever transformers builds; the sglang engine's bit-exact weight check knows the weight
+    layout of a few families."""
+    if config.type == "sglang" and config.verify_weights:
+        from miles_rollout.engines.sglang.layout import FAMILIES
+
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in FAMILIES:
+            raise ValueError(
+                f"sglang engine: config.json model_type: {model_type!r} has no known SGLang weight layout for the "
+                f"weight check ({', '.join(FAMILIES)}); set rollout.engine.verify_weights: false to run it unchecked"
+            )
 
 
 def build_engine(config: HFEngineConfig | SGLangEngineConfig, model_path: str | Path, seed: int = 0) -> RolloutEngine:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from miles_rollout.types import GenerateRequest, SamplingParams
+from miles_sync import TIED_HEAD
 
 
 def group_by_sampling(requests: list[GenerateRequest]) -> dict[SamplingParams, list[int]]:
@@ -23,4 +25,22 @@ def check_names(engine: str, weight_version: int, published: set[str], expected:
             f"{engine} engine: weight version {weight_version} lacks {len(missing)} parameter(s), e.g. {missing[:3]}"
         )
     if unknown:
-        raise ValueError(f"{engine} engine: weight version {weight_version} has unknown weights {unknown[:3]}")
+        hint = ""
+        if TIED_HEAD in unknown and "model.embed_tokens.weight" in expected:
+            hint = (
+                f" ({TIED_HEAD}: the model ties its head to the embedding, which is published once, as "
+                "model.embed_tokens.weight; see miles_sync.without_tied_head)"
+            )
+        raise ValueError(f"{engine} engine: weight version {weight_version} has unknown weights {unknown[:3]}{hint}")
+
+
+def held_fingerprint(named_tensors: Iterable, held: str, wire: str | None) -> str:
+    """The fingerprint of `named_tensors` as an engine holding dtype `held` keeps them, taken in the push's wire
+    dtype when there is one (a wider engine keeps what it was sent exactly: cast back, it equals the sender's)."""
+    import torch
+
+    from miles_sync import weight_fingerprint
+
+    held_dtype = getattr(torch, held)
+    as_held = ((name, t.to(held_dtype) if t.is_floating_point() else t) for name, t in named_tensors)
+    return weight_fingerprint(as_held, None if wire is None else getattr(torch, wire))

@@ -17,13 +17,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from miles_rollout.config import HFEngineConfig, PauseMode
-from miles_rollout.engines.checks import check_names, group_by_sampling
+from miles_rollout.engines.checkpoint import engine_dtype
+from miles_rollout.engines.checks import check_names, group_by_sampling, held_fingerprint
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from miles_sync import WeightHandle, read_buckets, weight_fingerprint
+from miles_sync import WeightHandle, read_buckets
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def sample_next_token(
@@ -55,7 +54,8 @@ class HFEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[config.dtype])
+        self.dtype = engine_dtype(config.dtype, model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, self.dtype))
         self.model.eval()
         self.model.requires_grad_(False)
         eos = self.model.generation_config.eos_token_id
@@ -66,6 +66,7 @@ class HFEngine:
         self.pad_token_id = pad if pad is not None else 0
         self._generator = torch.Generator().manual_seed(seed)
         self._weight_version = 0
+        self._wire_dtype: str | None = None  # of the last push: the dtype the weight check compares in
         self._resumed = threading.Event()
         self._resumed.set()
         self._abort = False
@@ -182,6 +183,7 @@ class HFEngine:
         return self.model is not None
 
     def receive(self, handle: WeightHandle) -> str:
+        # named_parameters() names a tied head once, as the embedding: the rule of miles_sync.naming.
         params = dict(self.model.named_parameters())
         # Read everything before touching the model, so a bad version is refused whole.
         tensors = dict(pair for bucket in read_buckets(handle) for pair in bucket)
@@ -190,10 +192,12 @@ class HFEngine:
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
             self._weight_version = handle.weight_version
+            self._wire_dtype = handle.dtype
         return self.weight_fingerprint()
 
     def weight_fingerprint(self) -> str:
-        return weight_fingerprint(self.model.named_parameters())
+        """The fingerprint of the weights held, in the dtype of the last push (the engine's own before one)."""
+        return held_fingerprint(self.model.named_parameters(), self.dtype, self._wire_dtype)
 
     def shutdown(self) -> None:
         self._resumed.set()

@@ -31,12 +31,13 @@ import torch
 from safetensors.torch import load_file
 
 from miles_rollout.config import PauseMode, SGLangEngineConfig
-from miles_rollout.engines.checks import check_names, group_by_sampling
+from miles_rollout.engines.checkpoint import engine_dtype, tied_embeddings
+from miles_rollout.engines.checks import check_names, group_by_sampling, held_fingerprint
 from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.router import Router, Slot
-from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer, resolve_dtype
+from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from miles_sync import NamedTensor, WeightHandle, read_buckets, weight_fingerprint
+from miles_sync import NamedTensor, WeightHandle, read_buckets, without_tied_head
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,10 @@ class SGLangEngine:
         self.slots: list[Slot] = []
         self.router: Router | None = None
         self._busy = threading.Lock()  # weight updates vs health checks and recoveries
-        self._dtype_name = resolve_dtype(config, model_path)
+        self._dtype_name = engine_dtype(config.dtype, model_path)
         self.param_dtype = getattr(torch, self._dtype_name)
+        self._tied = tied_embeddings(model_path)
+        self._wire_dtype: str | None = None  # of the last push: the dtype the weight check compares in
         self._client = httpx.Client(timeout=config.request_timeout_s)
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="miles-sglang-"))
         try:
@@ -94,7 +97,8 @@ class SGLangEngine:
             self._check_reachable(slot.url)
         self._weight_version = 0
         self._pause_mode: PauseMode | None = None
-        self._set_current(_folder_tensors(self.model_path))
+        # A checkpoint may still carry the head of a tied model; SGLang skips it, and so does the check.
+        self._set_current(list(without_tied_head(_folder_tensors(self.model_path), self._tied)))
         if config.verify_weights:
             for slot in self.slots:
                 self._verify(slot)
@@ -284,7 +288,7 @@ class SGLangEngine:
         self._current = tensors
         self._names = {name for name, _ in tensors}
         self._expected_cache: dict[str, str] | None = None
-        self._fingerprint = weight_fingerprint(tensors, self.param_dtype)
+        self._fingerprint = held_fingerprint(tensors, self._dtype_name, self._wire_dtype)
 
     @property
     def _expected(self) -> dict[str, str]:
@@ -310,6 +314,7 @@ class SGLangEngine:
 
     def _accept(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
         check_names(self.name, handle.weight_version, {name for name, _ in tensors}, self._names)
+        self._wire_dtype = handle.dtype
         self._set_current(tensors)
 
     def _flags(self, slot: Slot, last: bool = True) -> dict:

@@ -1,4 +1,4 @@
-"""SGLang's internal weight layout for Llama/Qwen2-style models, and its per-tensor checksums.
+"""SGLang's internal weight layout for Llama/Qwen2/Qwen3-style models, and its per-tensor checksums.
 
 SGLang fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (concatenated along dim 0), and
 pads the vocabulary rows of the embedding and LM head with zeros; its `/weights_checker`
@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable
 
 import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3")  # config.json model_type values whose layout this module computes
 
 _FUSED = [
     (re.compile(r"^(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$"), "qkv_proj", ("q", "k", "v")),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -42,15 +41,6 @@ def use_cpu(config: SGLangEngineConfig) -> bool:
     import torch
 
     return not torch.cuda.is_available()
-
-
-def resolve_dtype(config: SGLangEngineConfig, model_path: str | Path) -> str:
-    """`auto` means the checkpoint's own dtype: SGLang's `auto` would run fp32 checkpoints in half precision."""
-    if config.dtype != "auto":
-        return config.dtype
-    meta = json.loads((Path(model_path) / "config.json").read_text())
-    declared = str(meta.get("dtype") or meta.get("torch_dtype") or "float32")
-    return declared if declared in ("float32", "bfloat16", "float16") else "float32"
 
 
 def free_port() -> int:
