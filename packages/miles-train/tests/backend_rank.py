@@ -6,7 +6,8 @@ VARIANT names the backend and its layout: `fsdp2`, `fsdp2-bf16`, `megatron`, `me
 `torchtitan`, `torchtitan-tp2` (without `-tp2` every rank is data parallel).
 
 `offpolicy` turns on truncated importance sampling (cap 1.5) and staleness decay (0.5 per version),
-with staleness 0, 1, 2 within each group.
+with staleness 0, 1, 2 within each group. `pushed` tells the backend that the engines hold bf16 weights
+(`set_push_dtype`): it forwards with the weights as pushed and recomputes old logprobs under them.
 """
 
 import sys
@@ -59,7 +60,8 @@ def backend_config(variant: str, world_size: int) -> dict:
 def main() -> None:
     model_dir, rank, world_size, port, out, ckpt = sys.argv[1:7]
     variant = sys.argv[7] if len(sys.argv) > 7 else "fsdp2"
-    offpolicy = len(sys.argv) > 8 and sys.argv[8] == "offpolicy"
+    mode = sys.argv[8] if len(sys.argv) > 8 else ""
+    offpolicy = mode == "offpolicy"
     rank, world_size = int(rank), int(world_size)
     torch.set_num_threads(1)
     grpo = {"old_logprobs": "recompute", "kl_coef": 0.1}
@@ -73,6 +75,8 @@ def main() -> None:
         }
     )
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")
+    if mode == "pushed":
+        backend.set_push_dtype("bfloat16")
     batch = offpolicy_batch() if offpolicy else contract_batch()
     result = {"initial": snapshot(backend)}
     result["logprobs"] = backend.compute_logprobs(batch)

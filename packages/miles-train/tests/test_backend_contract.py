@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from miles_sync import without_tied_head
 from miles_train.collate import collate, token_logprobs
 from miles_train.grpo import clipped_policy_loss, group_advantages, kl_k3, token_mean
 
@@ -121,10 +122,16 @@ def reference_step(model_dir):
     return model, old, c, loss
 
 
+def hf_state(model) -> dict[str, torch.Tensor]:
+    """An HF model's tensors as its checkpoint holds them: a tied head is the embedding (miles_sync.naming)."""
+    return dict(without_tied_head(model.state_dict().items(), model.config.tie_word_embeddings))
+
+
 def test_export_uses_hf_names_and_full_tensors(layout):
-    name, model_dir, _, result = layout
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    name, model_dir, model, result = layout
+    hf = hf_state(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     assert set(result["initial"]) == set(hf), name
+    assert ("lm_head.weight" in result["initial"]) == (model == "qwen2"), f"{name}: a tied head is sent once"
     for key, tensor in hf.items():
         assert torch.equal(result["initial"][key], tensor), f"{name}: {key}"
 
@@ -172,7 +179,10 @@ def test_exported_weights_give_the_trainers_logprobs(layout):
     tests/test_logprob_parity.py and the demo tests) give the logprobs the trainer computes."""
     name, model_dir, _, result = layout
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.load_state_dict(result["after"], strict=True)
+    missing, unexpected = model.load_state_dict(result["after"], strict=False)
+    assert not unexpected and missing == (["lm_head.weight"] if model.config.tie_word_embeddings else []), name
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
     batch = contract_batch()
     c = collate(batch)
     with torch.no_grad():
@@ -225,3 +235,34 @@ def test_off_policy_correction_matches_plain_pytorch(world_size, tiny_model_dir,
     assert 0 < metrics["train/tis_clipfrac"] < 1  # the cap bit on some tokens, not all: the test has teeth
     assert metrics["train/tis_max"] == pytest.approx(1.5)
     assert metrics["train/sample_weight_mean"] == pytest.approx((1 + 0.5 + 0.25) / 3)
+
+
+PUSHED = [("fsdp2", 2), ("megatron", 1), ("torchtitan", 1)]
+
+
+@pytest.mark.parametrize(("variant", "world_size"), PUSHED, ids=[f"{v}-ws{n}" for v, n in PUSHED])
+def test_engines_in_bf16_the_trainer_trains_the_weights_as_pushed(variant, world_size, tiny_model_dir, tmp_path):
+    """With bf16 engines (set_push_dtype), the policy trained is the bf16-rounded one the engines run, its master
+    weights stay fp32, and the step reports which share of its changes reach the engines."""
+    result = run_ranks(tiny_model_dir, world_size, tmp_path, variant=variant, mode="pushed")
+    metrics = result["metrics"]
+    # old logprobs are recomputed under the pushed weights and the forward uses them too: on-policy at the start
+    assert metrics["train/ratio"] == pytest.approx(1.0, abs=1e-6) and metrics["train/clipfrac"] == 0.0
+    rounded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    batch = contract_batch()
+    c = collate(batch)
+    with torch.no_grad():
+        expected, _ = token_logprobs(rounded.eval(), c)
+    for i, row in enumerate(result["logprobs"]):
+        start = batch.response_start[i] - 1
+        assert torch.allclose(torch.tensor(row), expected[i, start : start + len(row)], atol=TOL), variant
+    after, before = result["after"], result["initial"]
+    assert all(t.dtype == torch.float32 for t in after.values())  # fp32 master weights
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in after.values())  # not rounded in place
+    changed = sum(int((after[n] != before[n]).sum()) for n in before)
+    kept = sum(int(((after[n] != before[n]) & (after[n].bfloat16() != before[n].bfloat16())).sum()) for n in before)
+    assert metrics["train/update_kept_frac"] == pytest.approx(kept / changed, abs=1e-6)
+    assert 0.0 < metrics["train/update_kept_frac"] < 1.0

@@ -1,9 +1,12 @@
 """HF ⇄ backend weight layouts and configuration errors, without starting any rank."""
 
+import re
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from miles_sync import without_tied_head
 from miles_train.config import TrainConfig
 
 
@@ -35,7 +38,23 @@ def _llama() -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return config, LlamaForCausalLM(config).state_dict()
 
 
-@pytest.mark.parametrize("make", [_qwen2, _llama], ids=["qwen2", "llama"])
+def _qwen3() -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
+    """Qwen3: per-head q/k RMSNorm, no biases, a head_dim wider than hidden_size / heads."""
+    torch.manual_seed(3)
+    config = Qwen3Config(
+        vocab_size=23,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    return config, dict(Qwen3ForCausalLM(config).state_dict())
+
+
+@pytest.mark.parametrize("make", [_qwen2, _llama, _qwen3], ids=["qwen2", "llama", "qwen3"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_megatron_layouts_round_trip(make, tp):
     """Split for every TP rank, then put back together: the HF tensors again, bit for bit (an odd
@@ -51,11 +70,13 @@ def test_megatron_layouts_round_trip(make, tp):
     assert vocab % tp == 0 and vocab >= config.vocab_size
     assert per_rank[0]["embedding.word_embeddings.weight"].shape[0] == vocab // tp
     assert ("decoder.layers.0.self_attention.linear_qkv.bias" in per_rank[0]) == (config.model_type == "qwen2")
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in per_rank[0]) == (config.model_type == "qwen3")
     shards = {name: [rank[name] for rank in per_rank] for name in per_rank[0]}
     back = dict(convert.megatron_to_hf(shards, config))
     assert list(back) == [n for n in hf if n in back]  # an HF state dict's order
-    assert set(back) == set(hf)
-    for name, tensor in hf.items():
+    expected = dict(without_tied_head(hf.items(), config.tie_word_embeddings))  # a tied head is sent once
+    assert set(back) == set(expected)
+    for name, tensor in expected.items():
         assert torch.equal(back[name], tensor), name
 
 
@@ -72,22 +93,25 @@ def test_megatron_rejects_layouts_it_cannot_split():
 
 
 @pytest.mark.parametrize(
-    ("setting", "value"),
+    ("setting", "value", "named"),
     [
-        ("attention_bias", True),
-        ("mlp_bias", True),
-        ("hidden_act", "gelu"),
-        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4}),
+        ("attention_bias", True, "attention_bias: True"),
+        ("mlp_bias", True, "mlp_bias: True"),
+        ("hidden_act", "gelu", "hidden_act: 'gelu'"),
+        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4}, "rope_parameters.rope_type: 'llama3'"),
+        ("use_sliding_window", True, "use_sliding_window: True"),
+        ("num_local_experts", 8, "num_local_experts: 8"),
+        ("model_type", "mixtral", "model_type: 'mixtral'"),
     ],
 )
-def test_settings_the_rebuilt_models_lack_are_refused(setting, value):
+def test_settings_the_rebuilt_models_lack_are_refused_naming_the_field(setting, value, named):
     """A Llama with biases or another activation would otherwise train with those weights dropped."""
     from miles_train.backends.hf_family import check_family
 
     config, _ = _llama()
     setattr(config, setting, value)
     for backend in ("megatron", "torchtitan"):
-        with pytest.raises(ValueError, match=f"{backend} backend: llama with {setting.split('_')[0]}"):
+        with pytest.raises(ValueError, match=f"{backend} backend: config.json {re.escape(named)} is not supported"):
             check_family(config, backend)
 
 
@@ -111,14 +135,17 @@ def test_torchtitan_rejects_layouts_it_cannot_split():
     convert.check_supported(config, 2)
 
 
-def test_torchtitan_adapter_maps_every_hf_tensor():
+@pytest.mark.parametrize("make", [_qwen2, _qwen3], ids=["qwen2", "qwen3"])
+def test_torchtitan_adapter_maps_every_hf_tensor(make):
     pytest.importorskip("torchtitan", reason="torchtitan is not installed")
     from miles_train.backends.torchtitan import convert
 
-    config, hf = _qwen2()
+    config, hf = make()
+    hf = dict(without_tied_head(hf.items(), config.tie_word_embeddings))
     adapter = convert.state_dict_adapter(convert.model_config(config))
     titan = adapter.from_hf(dict(hf))
-    assert "layers.0.attention.qkv_linear.wq.bias" in titan
+    assert ("layers.0.attention.qkv_linear.wq.bias" in titan) == (config.model_type == "qwen2")
+    assert ("layers.0.attention.q_norm.weight" in titan) == (config.model_type == "qwen3")
     back = adapter.to_hf(titan)
     assert set(back) == set(hf)
     assert all(torch.equal(back[n], hf[n]) for n in hf)

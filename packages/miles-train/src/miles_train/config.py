@@ -73,8 +73,12 @@ class GRPOConfig(_Strict):
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip; None uses clip_eps.")
     normalize_std: bool = Field(True, description="Divide advantages by the group's standard deviation.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference (0 = no reference).")
-    old_logprobs: Literal["rollout", "recompute"] = Field(
-        "rollout", description="Behaviour logprobs of the ratio: the engine's, or recomputed by the trainer."
+    old_logprobs: Literal["auto", "rollout", "recompute"] = Field(
+        "auto",
+        description="Behaviour logprobs of the ratio's denominator: the engine's (rollout), or recomputed by the "
+        "trainer under the weights as pushed (recompute: removes the engine's numerical difference from the ratio). "
+        "auto: recompute when the engines hold the weights in another dtype than the trainer's master weights "
+        "(a bf16 checkpoint) or tis_cap is set, rollout otherwise.",
     )
     num_minibatches: int = Field(1, ge=1, description="Optimizer steps per batch.")
     loss_aggregation: Literal["token_mean"] = "token_mean"
@@ -94,8 +98,8 @@ class GRPOConfig(_Strict):
 
     @model_validator(mode="after")
     def _tis_needs_recompute(self) -> GRPOConfig:
-        if self.tis_cap is not None and self.old_logprobs != "recompute":
-            raise ValueError("tis_cap needs old_logprobs: recompute (the trainer's old-policy logprobs)")
+        if self.tis_cap is not None and self.old_logprobs == "rollout":
+            raise ValueError("tis_cap needs the trainer's old-policy logprobs: old_logprobs recompute (or auto)")
         return self
 
 
@@ -107,6 +111,13 @@ class TrainConfig(_Strict):
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    policy_weights: Literal["auto", "master", "pushed"] = Field(
+        "auto",
+        description="The weights the trainer's forward passes use. pushed: the master weights rounded to the dtype "
+        "the engines hold (gradients pass straight through to the fp32 master weights), so the policy trained is "
+        "the policy that generated; master: the fp32 master weights as they are. auto: pushed when the engines "
+        "hold a narrower dtype than the master weights (a bf16 checkpoint), master otherwise (then both are equal).",
+    )
 
     @field_validator("backend", mode="before")
     @classmethod

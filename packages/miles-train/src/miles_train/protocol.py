@@ -28,8 +28,14 @@ class TrainerBackend(Protocol):
         """Per-token logprobs of every response under the current weights."""
         ...
 
+    def set_push_dtype(self, dtype: str | None) -> None:
+        """The dtype the engines hold the weights in. When it is narrower than the master weights, the backend
+        forwards with the weights as pushed (`train.policy_weights`) and reports `train/update_kept_frac`."""
+        ...
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) tensors under HF names. Collective: call on every rank; rank 0 yields them.
+        """Full (unsharded) tensors under HF names, as a checkpoint holds them (a tied head once, as the
+        embedding: miles_sync.naming). Collective: call on every rank; rank 0 yields them.
 
         The tensors may alias live parameters: consume or copy them before the next `train_step`.
         """

@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from miles_train.config import TrainConfig
+from miles_train.config import BackendConfig, TrainConfig
 from miles_train.protocol import TrainerBackend
+
+
+def check_model(config: BackendConfig, hf_config: Any) -> None:
+    """Raise ValueError naming the config.json field of `hf_config` the backend cannot train (before any rank
+    starts). fsdp2 trains the transformers model itself, so it takes any causal LM transformers builds."""
+    if config.type == "megatron":
+        from miles_train.backends.megatron.convert import check_supported
+
+        check_supported(hf_config, config.tensor_parallel_size)
+    elif config.type == "torchtitan":
+        from miles_train.backends.torchtitan.convert import check_supported
+
+        check_supported(hf_config, config.tensor_parallel_size)
 
 
 def build_backend(

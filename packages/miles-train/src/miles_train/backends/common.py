@@ -8,8 +8,11 @@ aggregation over the global batch) is written once here, so the backends cannot 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ from miles_train.grpo import (
     truncated_is_weights,
 )
 from miles_train.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 METRIC_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_diff", "tis", "tis_clipfrac")
 
@@ -65,6 +70,23 @@ class GRPOBackend:
         self.reference: Any = None
         self.pad_token_id = 0
         self.step = 0
+        self.set_push_dtype(None)
+
+    push_dtype: torch.dtype | None = None  # what the engines hold, when a push rounds the master weights
+
+    def set_push_dtype(self, dtype: str | None) -> None:
+        """The dtype the engines hold the weights in (`float32`, `bfloat16`, `float16`; None: as the trainer).
+
+        When it is narrower than the fp32 master weights, a push rounds them: the trainer then forwards with the
+        weights as pushed (`train.policy_weights`), recomputes the ratio's denominator under them
+        (`grpo.old_logprobs`), and reports how much of each update the rounding lets through."""
+        held = None if dtype is None else getattr(torch, dtype)
+        self.push_dtype = held if held is not None and held.itemsize < 4 else None
+        policy, old = self.config.policy_weights, self.config.grpo.old_logprobs
+        self._pushed_forward = policy == "pushed" or (policy == "auto" and self.push_dtype is not None)
+        self._recompute_old = old == "recompute" or (
+            old == "auto" and (self.push_dtype is not None or self.config.grpo.tis_cap is not None)
+        )
 
     # ---- what a backend provides -------------------------------------------------------------
     def _logits(self, model: Any, c: Collated) -> torch.Tensor:
@@ -83,6 +105,51 @@ class GRPOBackend:
         return None
 
     # ---- shared ------------------------------------------------------------------------------
+    def _param_shards(self) -> list[torch.Tensor]:
+        """This rank's part of every parameter as a plain tensor (the local shard of a DTensor: a view).
+
+        FSDP2 modules are resharded first: a root module keeps its parameters unsharded after a forward, and
+        their memory is freed at the next reshard, so only the sharded parameters are stable."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+
+    @contextlib.contextmanager
+    def _weights_as_pushed(self, active: bool = True) -> Iterator[None]:
+        """For the duration, the parameters hold the master weights rounded to the push dtype (what the engines
+        run); afterwards the master weights are back, bit for bit. A backward inside gives the gradient at the
+        rounded weights, which the optimizer applies to the master weights (a straight-through estimator, as
+        mixed-precision training does). A no-op unless `active` and the push rounds."""
+        if not active or self.push_dtype is None:
+            yield
+            return
+        shards = self._param_shards()
+        with torch.no_grad():
+            master = [p.detach().clone() for p in shards]
+            for p in shards:
+                p.copy_(p.to(self.push_dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, m in zip(shards, master, strict=True):
+                    p.copy_(m)
+
+    def _update_kept(self, before: list[torch.Tensor]) -> float:
+        """Of the weights this step changed, the share whose pushed (rounded) value changed too (all ranks)."""
+        changed = kept = 0
+        with torch.no_grad():
+            for p, old in zip(self._param_shards(), before, strict=True):
+                moved = p != old
+                changed += int(moved.sum())
+                kept += int((moved & (p.to(self.push_dtype) != old.to(self.push_dtype))).sum())
+        counts = torch.tensor([changed, kept], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        return float(counts[1] / counts[0]) if counts[0] > 0 else 1.0
+
     def _my_rows(self, num_rows: int) -> list[int]:
         return list(range(self.dp_rank, num_rows, self.dp_size))
 
@@ -115,53 +182,23 @@ class GRPOBackend:
         ages = batch.staleness if batch.staleness is not None else [0] * len(batch)
         sample_weights = staleness_weights(ages, grpo.staleness, grpo.staleness_decay, grpo.staleness_max)
         grad_norms = []
-        old_logprobs = self._padded_logprobs(batch) if grpo.old_logprobs == "recompute" else None
+        # The ratio's denominator is the policy the engines ran: the weights as pushed, whatever the forward uses.
+        old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
+        before = [p.detach().clone() for p in self._param_shards()] if self.push_dtype is not None else None
         for rows in minibatches:
             # Token count of this minibatch over all ranks: the denominator of the token mean.
             num_tokens = float(sum(sum(batch.loss_mask[i]) for i in rows))
             local = [rows[i] for i in self._my_rows(len(rows))]
             c = self._collate(batch.select(local))
-            logprobs, entropy = self._token_logprobs(self.model, c, batch.temperature, with_entropy=True)
-            if old_logprobs is None:
-                old = c.rollout_logprobs
-            else:  # the whole batch is padded wider than this rank's part: trim the right padding
-                old = old_logprobs[local][:, : c.loss_mask.shape[1]].to(self.device)
-            adv = advantages[local].to(self.device)[:, None].expand_as(logprobs)
-            pg, ratio, clipped = clipped_policy_loss(logprobs, old, adv, grpo.clip_eps, grpo.clip_eps_high)
-            tis = torch.ones_like(pg)
-            truncated = torch.zeros_like(pg, dtype=torch.bool)
-            if grpo.tis_cap is not None:  # old = the trainer's recomputed old-policy logprobs
-                tis, truncated = truncated_is_weights(old, c.rollout_logprobs, grpo.tis_cap)
-                pg = pg * tis
-                tis_max = max(tis_max, float((tis * c.loss_mask).max()))
-            pg = pg * sample_weights[local].to(self.device)[:, None]
-            per_token = pg
-            kl = torch.zeros_like(pg)
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logprobs, _ = self._token_logprobs(self.reference, c, batch.temperature)
-                kl = kl_k3(logprobs, ref_logprobs)
-                per_token = per_token + grpo.kl_coef * kl
-            loss = token_mean(per_token, c.loss_mask, num_tokens) * self.loss_scale
-            loss.backward()
+            with self._weights_as_pushed(self._pushed_forward):
+                part = self._minibatch_loss(batch, c, local, num_tokens, advantages, sample_weights, old_logprobs)
             norm = self._step_optimizer()
             self._zero_grad()
             if norm is not None:
                 grad_norms.append(norm)
-            m = c.loss_mask
-            with torch.no_grad():
-                for key, value in (
-                    ("loss", per_token),
-                    ("pg_loss", pg),
-                    ("kl", kl),
-                    ("entropy", entropy),
-                    ("clipfrac", clipped.float()),
-                    ("ratio", ratio),
-                    ("logprob_diff", (logprobs - c.rollout_logprobs).abs()),
-                    ("tis", tis),
-                    ("tis_clipfrac", truncated.float()),
-                ):
-                    sums[key] += float((value * m).sum())
+            tis_max = max(tis_max, part.pop("tis_max"))
+            for key, value in part.items():
+                sums[key] += value
         total_tokens = float(batch.num_response_tokens)
         reduced = self._all_reduce(list(sums.values()))
         self.step += 1
@@ -171,13 +208,70 @@ class GRPOBackend:
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
         metrics["train/tis_max"] = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]
         metrics["train/sample_weight_mean"] = float(sample_weights.mean())
+        if before is not None:
+            metrics["train/update_kept_frac"] = self._update_kept(before)
         return metrics
 
+    def _minibatch_loss(
+        self,
+        batch: TrainBatch,
+        c: Collated,
+        local: list[int],
+        num_tokens: float,
+        advantages: torch.Tensor,
+        sample_weights: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+    ) -> dict[str, float]:
+        """Forward and backward of this rank's rows of one minibatch; the masked metric sums (and tis_max)."""
+        grpo = self.config.grpo
+        tis_max = 0.0
+        logprobs, entropy = self._token_logprobs(self.model, c, batch.temperature, with_entropy=True)
+        if old_logprobs is None:
+            old = c.rollout_logprobs
+        else:  # the whole batch is padded wider than this rank's part: trim the right padding
+            old = old_logprobs[local][:, : c.loss_mask.shape[1]].to(self.device)
+        adv = advantages[local].to(self.device)[:, None].expand_as(logprobs)
+        pg, ratio, clipped = clipped_policy_loss(logprobs, old, adv, grpo.clip_eps, grpo.clip_eps_high)
+        tis = torch.ones_like(pg)
+        truncated = torch.zeros_like(pg, dtype=torch.bool)
+        if grpo.tis_cap is not None:  # old = the trainer's recomputed old-policy logprobs
+            tis, truncated = truncated_is_weights(old, c.rollout_logprobs, grpo.tis_cap)
+            pg = pg * tis
+            tis_max = max(tis_max, float((tis * c.loss_mask).max()))
+        pg = pg * sample_weights[local].to(self.device)[:, None]
+        per_token = pg
+        kl = torch.zeros_like(pg)
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logprobs, _ = self._token_logprobs(self.reference, c, batch.temperature)
+            kl = kl_k3(logprobs, ref_logprobs)
+            per_token = per_token + grpo.kl_coef * kl
+        loss = token_mean(per_token, c.loss_mask, num_tokens) * self.loss_scale
+        loss.backward()
+        m = c.loss_mask
+        sums = {"tis_max": tis_max}
+        with torch.no_grad():
+            for key, value in (
+                ("loss", per_token),
+                ("pg_loss", pg),
+                ("kl", kl),
+                ("entropy", entropy),
+                ("clipfrac", clipped.float()),
+                ("ratio", ratio),
+                ("logprob_diff", (logprobs - c.rollout_logprobs).abs()),
+                ("tis", tis),
+                ("tis_clipfrac", truncated.float()),
+            ):
+                sums[key] = float((value * m).sum())
+        return sums
+
     @torch.no_grad()
-    def _padded_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Current-policy logprobs of the whole batch, [B, T-1], identical on every rank."""
+    def _padded_logprobs(self, batch: TrainBatch, as_pushed: bool | None = None) -> torch.Tensor:
+        """Logprobs of the whole batch, [B, T-1], identical on every rank: under the weights the forward uses,
+        or (`as_pushed`) under the weights as pushed."""
         rows = self._my_rows(len(batch))
-        logprobs, _ = self._token_logprobs(self.model, self._collate(batch.select(rows)), batch.temperature)
+        with self._weights_as_pushed(self._pushed_forward if as_pushed is None else as_pushed):
+            logprobs, _ = self._token_logprobs(self.model, self._collate(batch.select(rows)), batch.temperature)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (rows, logprobs.cpu()))  # tensor-parallel peers send the same rows
         width = max(len(ids) for ids in batch.input_ids) - 1
@@ -267,9 +361,11 @@ def save_hf_weights(directory: Path, hf_config: Any, tensors: dict[str, torch.Te
     (it is the embedding; safetensors refuses tensors that share memory)."""
     from safetensors.torch import save_file
 
+    from miles_sync import without_tied_head
+
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     hf_config.save_pretrained(directory)
-    weights = {k: v.contiguous() for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
+    weights = {k: v.contiguous() for k, v in without_tied_head(tensors.items(), tied)}
     save_file(weights, str(directory / "model.safetensors"))
 
 

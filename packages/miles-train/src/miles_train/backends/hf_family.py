@@ -1,12 +1,16 @@
-"""The HF model families the megatron and torchtitan backends rebuild (Qwen2, Llama), and what of
-their configs those rebuilds cover. Anything else gets an error that names the setting, rather
-than a model that silently drops weights."""
+"""The HF model families the megatron and torchtitan backends rebuild (Qwen2/2.5, Qwen3, Llama), and
+what of their configs those rebuilds cover. Anything else is refused with the config.json field that
+asks for it, rather than giving a model that silently drops weights or computes something else."""
 
 from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED = ("qwen2", "llama")
+SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+class UnsupportedModel(ValueError):
+    """A model config asks for something a backend does not rebuild; the message names the config field."""
 
 
 def rope_parameters(hf_config: Any) -> dict:
@@ -25,28 +29,48 @@ def has_qkv_bias(hf_config: Any) -> bool:
     return hf_config.model_type == "qwen2"
 
 
-def check_family(hf_config: Any, backend: str) -> None:
-    """Raise ValueError naming the first setting of `hf_config` the rebuilt model would not honour."""
+def has_qk_norm(hf_config: Any) -> bool:
+    """Qwen3 normalises each query and key head (RMSNorm over the head dimension) before RoPE."""
+    return hf_config.model_type == "qwen3"
+
+
+def unsupported_fields(hf_config: Any) -> list[tuple[str, Any, str]]:
+    """(field, value, why) for every config.json setting the rebuilt models would not honour."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED:
-        raise ValueError(f"{backend} backend: model_type {model_type!r} is not supported (one of {SUPPORTED})")
-    unsupported = {
-        "attention_bias": bool(getattr(hf_config, "attention_bias", False)) and model_type == "llama",
-        "mlp_bias": bool(getattr(hf_config, "mlp_bias", False)),
-        "use_sliding_window": bool(getattr(hf_config, "use_sliding_window", False)),
-        "hidden_act": getattr(hf_config, "hidden_act", "silu") != "silu",
-        "rope scaling": rope_parameters(hf_config).get("rope_type", "default") not in (None, "default"),
-    }
-    for setting, present in unsupported.items():
-        if present:
-            raise ValueError(f"{backend} backend: {model_type} with {setting} is not supported")
+        return [("model_type", model_type, f"the rebuilt families are {', '.join(SUPPORTED)}")]
+    found = []
+    experts = next((n for n in ("num_experts", "num_local_experts") if getattr(hf_config, n, None)), None)
+    if experts:
+        found.append((experts, getattr(hf_config, experts), "mixture-of-experts layers are not rebuilt"))
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):  # Qwen2's q/k/v biases are rebuilt
+        found.append(("attention_bias", True, "attention projections without biases only"))
+    if getattr(hf_config, "mlp_bias", False):
+        found.append(("mlp_bias", True, "MLP projections without biases only"))
+    if getattr(hf_config, "use_sliding_window", False):
+        found.append(("use_sliding_window", True, "full causal attention only"))
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        found.append(("hidden_act", hf_config.hidden_act, "SwiGLU (silu) only"))
+    rope_type = rope_parameters(hf_config).get("rope_type", "default")
+    if rope_type not in (None, "default"):
+        found.append(("rope_parameters.rope_type", rope_type, "RoPE without scaling only"))
     if hf_config.num_attention_heads % hf_config.num_key_value_heads:
-        raise ValueError(f"{backend} backend: num_attention_heads must be a multiple of num_key_value_heads")
+        found.append(("num_key_value_heads", hf_config.num_key_value_heads, "it must divide num_attention_heads"))
+    return found
+
+
+def check_family(hf_config: Any, backend: str) -> None:
+    """Raise UnsupportedModel naming the first config.json field the rebuilt model would not honour."""
+    found = unsupported_fields(hf_config)
+    if found:
+        field, value, why = found[0]
+        raise UnsupportedModel(f"{backend} backend: config.json {field}: {value!r} is not supported ({why})")
 
 
 def check_divides(hf_config: Any, backend: str, tp: int, names: tuple[str, ...]) -> None:
     for name in names:
         if getattr(hf_config, name) % tp:
-            raise ValueError(
-                f"{backend} backend: tensor_parallel_size {tp} must divide {name} ({getattr(hf_config, name)})"
+            raise UnsupportedModel(
+                f"{backend} backend: tensor_parallel_size {tp} must divide config.json {name} "
+                f"({getattr(hf_config, name)})"
             )

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM
 
+from miles_sync import without_tied_head
 from miles_train.backends.common import GRPOBackend, save_hf_weights, with_tied_head
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
 from miles_train.collate import Collated
@@ -72,9 +73,10 @@ class FSDP2Backend(GRPOBackend):
         return norm
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors: a tied head is the embedding, exported once (miles_sync.naming)."""
         state = get_model_state_dict(self.model, options=_FULL)
         if self.rank == 0:
-            yield from state.items()
+            yield from without_tied_head(state.items(), bool(getattr(self.model.config, "tie_word_embeddings", False)))
 
     def save(self, directory: str | Path) -> None:
         """A checkpoint is an HF folder (config + model.safetensors) plus optimizer state."""

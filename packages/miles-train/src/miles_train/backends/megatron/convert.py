@@ -1,4 +1,4 @@
-"""HF (Qwen2 / Llama) ⇄ megatron-core GPTModel: the model config and the weight layouts.
+"""HF (Qwen2 / Qwen3 / Llama) ⇄ megatron-core GPTModel: the model config and the weight layouts.
 
 Layouts (megatron-core's local layer spec, tensor-parallel size `tp`, rank `r`):
 - `linear_qkv` fuses q, k and v per key-value group: for each of the `ng` groups, the group's
@@ -8,7 +8,7 @@ Layouts (megatron-core's local layer spec, tensor-parallel size `tp`, rank `r`):
 - `linear_proj` (o_proj) and `linear_fc2` (down_proj) split their input dimension (dim 1).
 - the word embedding and the output layer split the vocabulary (dim 0), padded with zero rows to a
   multiple of `tp`; the padding is sliced off the logits and off the exported tensors.
-- layer norms are replicated.
+- layer norms are replicated, Qwen3's per-head q/k norms (`q_layernorm`, `k_layernorm`) too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from miles_train.backends.common import pad_rows, padded_vocab
-from miles_train.backends.hf_family import check_divides, check_family, has_qkv_bias, head_dim, rope_parameters
+from miles_train.backends.hf_family import (
+    check_divides,
+    check_family,
+    has_qk_norm,
+    has_qkv_bias,
+    head_dim,
+    rope_parameters,
+)
 
 
 def check_supported(hf_config: Any, tp: int) -> None:
@@ -29,7 +36,7 @@ def check_supported(hf_config: Any, tp: int) -> None:
 
 
 def transformer_config(hf_config: Any, tp: int):
-    """The megatron-core TransformerConfig of an HF Qwen2/Llama config (fp32, dropout off)."""
+    """The megatron-core TransformerConfig of an HF Qwen2/Qwen3/Llama config (fp32, dropout off)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -42,6 +49,7 @@ def transformer_config(hf_config: Any, tp: int):
         kv_channels=head_dim(hf_config),
         add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config),
+        qk_layernorm=has_qk_norm(hf_config),
         gated_linear_unit=True,
         activation_func=F.silu,
         normalization="RMSNorm",
@@ -68,7 +76,7 @@ def build_gpt_model(hf_config: Any, tp: int, max_sequence_length: int | None = N
 
     return GPTModel(
         transformer_config(hf_config, tp),
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=has_qk_norm(hf_config)),
         vocab_size=padded_vocab(hf_config.vocab_size, tp),
         max_sequence_length=max_sequence_length or hf_config.max_position_embeddings,
         position_embedding_type="rope",
@@ -114,6 +122,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: i
             bias = _fused_qkv(get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), ng)
             out[m + "self_attention.linear_qkv.bias"] = bias.chunk(tp, 0)[rank]
         out[m + "self_attention.linear_proj.weight"] = get(attn + "o_proj.weight").chunk(tp, 1)[rank]
+        if has_qk_norm(hf_config):
+            out[m + "self_attention.q_layernorm.weight"] = get(attn + "q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = get(attn + "k_norm.weight")
         out[m + "pre_mlp_layernorm.weight"] = get(h + "post_attention_layernorm.weight")
         gate, up = get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], 0)
@@ -130,7 +141,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: i
 
 def megatron_to_hf(shards: dict[str, list[torch.Tensor]], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """From every TP rank's tensor of each GPTModel parameter (rank order) to full HF tensors, in
-    the order of an HF state dict."""
+    the order of an HF state dict; a tied head is the embedding and is not named twice (miles_sync.naming)."""
     vocab = hf_config.vocab_size
 
     def whole(name: str, dim: int) -> torch.Tensor:
@@ -152,6 +163,9 @@ def megatron_to_hf(shards: dict[str, list[torch.Tensor]], hf_config: Any) -> Ite
         if has_qkv_bias(hf_config):
             yield attn + "v_proj.bias", vb
         yield attn + "o_proj.weight", whole(m + "self_attention.linear_proj.weight", 1)
+        if has_qk_norm(hf_config):
+            yield attn + "q_norm.weight", shards[m + "self_attention.q_layernorm.weight"][0]
+            yield attn + "k_norm.weight", shards[m + "self_attention.k_layernorm.weight"][0]
         fc1 = [s.chunk(2, 0) for s in shards[m + "mlp.linear_fc1.weight"]]
         yield h + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1], 0)
         yield h + "mlp.up_proj.weight", torch.cat([u for _, u in fc1], 0)
@@ -161,5 +175,3 @@ def megatron_to_hf(shards: dict[str, list[torch.Tensor]], hf_config: Any) -> Ite
     yield "model.norm.weight", shards["decoder.final_layernorm.weight"][0]
     if "output_layer.weight" in shards:
         yield "lm_head.weight", whole("output_layer.weight", 0)[:vocab]
-    else:  # tied: an HF state dict still names the head
-        yield "lm_head.weight", whole("embedding.word_embeddings.weight", 0)[:vocab]

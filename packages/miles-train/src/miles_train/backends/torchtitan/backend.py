@@ -128,9 +128,9 @@ class TorchtitanBackend(GRPOBackend):
         return self.adapter.from_hf(padded)
 
     def _to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors (a tied head is the embedding: the adapter leaves it out, as miles_sync's
+        naming rule does)."""
         hf = self.adapter.to_hf(state)
-        if "lm_head.weight" not in hf:  # tied: the adapter leaves the head out, an HF state dict names it
-            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
         return {name: t[: self.vocab_size] if name in _VOCAB_ROWS else t for name, t in hf.items()}
 
     # ---- GRPOBackend hooks ---------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""HF Qwen2 / Llama config → a torchtitan model config, and the HF state-dict adapter.
+"""HF Qwen2 / Qwen3 / Llama config → a torchtitan model config, and the HF state-dict adapter.
 
 torchtitan 0.3 has no Qwen2 model; Qwen2 is Qwen3 without the q/k RMSNorm and with biases on the
-q, k and v projections, and Llama (default RoPE) is Qwen3 without either. So the model is assembled
+q, k and v projections, and Llama (default RoPE) is Qwen3 without either. So every family is assembled
 from torchtitan's Qwen3 parts (`Qwen3Model`, `Qwen3TransformerBlock`, `GQAttention` with separate
 q/k/v `QKVLinear`, `CosSinRoPE` — the rotate-half RoPE of HF —, SDPA causal attention), and its
 `Qwen3StateDictAdapter` learns the bias names.
@@ -14,7 +14,14 @@ from typing import Any
 
 import torch.nn as nn
 
-from miles_train.backends.hf_family import check_divides, check_family, has_qkv_bias, head_dim, rope_parameters
+from miles_train.backends.hf_family import (
+    check_divides,
+    check_family,
+    has_qk_norm,
+    has_qkv_bias,
+    head_dim,
+    rope_parameters,
+)
 
 
 def check_supported(hf_config: Any, tp: int) -> None:
@@ -23,7 +30,7 @@ def check_supported(hf_config: Any, tp: int) -> None:
 
 
 def model_config(hf_config: Any, vocab_size: int | None = None):
-    """The torchtitan `Qwen3Model.Config` equal to an HF Qwen2/Llama config (with the vocabulary
+    """The torchtitan `Qwen3Model.Config` equal to an HF Qwen2/Qwen3/Llama config (with the vocabulary
     padded to `vocab_size` rows when given)."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import GQAttention, QKVLinear, ScaledDotProductAttention
@@ -62,7 +69,7 @@ def model_config(hf_config: Any, vocab_size: int | None = None):
                     head_dim=hd, wq=linear(dim, nh * hd, bias), wkv=linear(dim, nkv * hd, bias)
                 ),
                 wo=linear(nh * hd, dim),
-                qk_norm=None,
+                qk_norm=norm(hd) if has_qk_norm(hf_config) else None,
                 inner_attention=ScaledDotProductAttention.Config(),  # causal; rows are right-padded
                 rope=rope,
             ),
