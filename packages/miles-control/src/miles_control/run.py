@@ -11,7 +11,7 @@ import os
 import socket
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from miles_control.config import JobSpec
@@ -39,12 +39,18 @@ def run_job(
     store: Store | None = None,
     job_id: int | None = None,
     attempt_id: int | None = None,
+    plugin_dirs: Sequence[str | Path] = (),
 ) -> int:
     """Run `spec` to the end and return its job id. The job's row says how it ended; on failure
-    the exception propagates after the reason is stored, and everything recorded so far stays.
+    the exception propagates after the reason is stored, and everything recorded so far stays (an error
+    raised inside a Ray actor propagates as the actor raised it, without Ray's wrapping).
 
     With `job_id` and `attempt_id` (a launched job, status `starting`), the attempt's `resume_step`
-    says where to start: after the job's checkpoint of that step, or from scratch when 0."""
+    says where to start: after the job's checkpoint of that step, or from scratch when 0. Modules in
+    `plugin_dirs` (`miles run` passes the job file's folder) are importable here and in every worker."""
+    from miles_control.preflight import add_plugin_dirs, describe_error, plain_error
+
+    add_plugin_dirs(plugin_dirs)
     store = store or Store(spec.store.url)
     if job_id is None:
         job_id = store.create_job(spec.name, spec.model_dump(mode="json"), status=JobStatus.STARTING)
@@ -65,11 +71,15 @@ def run_job(
 
         model_path = resolve_model_path(spec)
         recorder.event("model", f"model folder {model_path}", path=str(model_path))
+        on_phase("checking the job")
+        from miles_control.preflight import check_job
+
+        check_job(spec, model_path, train_prompts)
         on_phase("starting Ray actors")
         from miles_control.runtime.job import JobRuntime, ensure_ray
         from miles_control.schedules import SCHEDULES
 
-        started_ray = ensure_ray(spec.ray)
+        started_ray = ensure_ray(spec.ray, plugin_dirs)
         # Absolute (actors and servers have other working directories) and unique across stores.
         run_dir = Path(spec.output_dir).resolve() / f"job-{job_id}-{uuid.uuid4().hex[:8]}"
         recorder.event("run_dir", f"run folder {run_dir}", path=str(run_dir))
@@ -100,10 +110,13 @@ def run_job(
         raise
     except BaseException as exc:
         log.debug("job %d failed", job_id, exc_info=True)
-        outcome = f"{type(exc).__name__}: {exc}"
+        outcome = describe_error(exc)
         _finish(store, job_id, JobStatus.FAILED, error=outcome)
         recorder.event("error", outcome, trace=traceback.format_exc()[-4000:])
-        raise
+        plain = plain_error(exc)
+        if plain is exc:
+            raise
+        raise plain from None  # the actor's own error; its remote traceback is in the event above
     finally:
         store.end_attempt(attempt.id, outcome)
         if runtime is not None:

@@ -53,6 +53,10 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
         data["model"]["path"] = confined(settings.model_root, data["model"]["path"], ("model", "path"), "model folder")
     for key in ("path", "eval_path"):
         data["data"][key] = confined(settings.data_root, data["data"][key], ("data", key), "prompt file")
+    if data["data"]["chat_template"] not in ("none", "model"):  # a Jinja file, read by the driver
+        data["data"]["chat_template"] = confined(
+            settings.data_root, data["data"]["chat_template"], ("data", "chat_template"), "chat template"
+        )
     runs = settings.runs_root
     data["output_dir"] = (
         confined(runs, data["output_dir"], ("output_dir",), "output folder")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,18 @@ WORKER_ENV = {
 }
 
 
-def ensure_ray(config: RayConfig) -> bool:
-    """Connect to the configured cluster or start a local instance; True if this call started it."""
+def ensure_ray(config: RayConfig, plugin_dirs: Sequence[str | Path] = ()) -> bool:
+    """Connect to the configured cluster or start a local instance; True if this call started it. Workers
+    find plug-in modules in `plugin_dirs` (on PYTHONPATH)."""
     import ray
+
+    from miles_control.preflight import plugin_path
 
     if ray.is_initialized():
         return False
+    env = dict(WORKER_ENV)
+    if plugin_dirs:
+        env["PYTHONPATH"] = plugin_path(plugin_dirs)
     ray.init(
         # "local": always a new instance of our own. With None, Ray would join whatever
         # /tmp/ray/ray_current_cluster names (e.g. the API server's shared head, or a dead one: a hang).
@@ -37,7 +44,7 @@ def ensure_ray(config: RayConfig) -> bool:
         num_cpus=config.num_cpus if config.address is None else None,
         include_dashboard=False,
         log_to_driver=os.environ.get("MILES_RAY_LOG_TO_DRIVER") == "1",
-        runtime_env={"env_vars": WORKER_ENV},
+        runtime_env={"env_vars": env},
     )
     return True
 
@@ -61,6 +68,7 @@ class TrainerGroup:
         weights_dir: Path,
         num_receivers: int = 1,
         pin_cpus: list[int] | None = None,
+        engine_dtype: str = "float32",
     ) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -87,6 +95,7 @@ class TrainerGroup:
                 str(weights_dir),
                 num_receivers,
                 pin_cpus,
+                engine_dtype,
             )
             for rank in range(world_size)
         ]
@@ -122,10 +131,22 @@ class JobRuntime:
     ) -> None:
         import ray
 
+        from miles_rollout.engines.checkpoint import engine_dtype
+
+        # The engines run the checkpoint's dtype unless the spec names another; pushes send it (sync.dtype: auto).
+        self.engine_dtype = engine_dtype(spec.rollout.engine.dtype, model_path)
+        spec = spec.model_copy(update={"sync": spec.sync.for_engines(self.engine_dtype)})
+        recorder.event(
+            "weights",
+            f"engines hold {self.engine_dtype}; pushes send {spec.sync.dtype or 'the trainer dtype'}",
+            engine_dtype=self.engine_dtype,
+            wire_dtype=spec.sync.dtype,
+        )
         self.spec = spec
         self.recorder = recorder
         self.run_dir = run_dir
         self.weight_version = 0
+        self._warned_update_lost = False
         self.cpu_split = split_cpus() if spec.ray.cpu_split else {"trainer": None, "rollout": None}
         if spec.ray.cpu_split:
             recorder.event(
@@ -144,7 +165,9 @@ class JobRuntime:
         # The broadcast transport's group has a rank for every receiver the engine brings (asking waits for the
         # engine to start, so only then; other transports start trainer and engine side by side).
         num_receivers = ray.get(self.rollout.broadcast_ranks.remote()) if spec.sync.transport == "broadcast" else 1
-        self.trainer = TrainerGroup(spec, model_path, run_dir / "weights", num_receivers, self.cpu_split["trainer"])
+        self.trainer = TrainerGroup(
+            spec, model_path, run_dir / "weights", num_receivers, self.cpu_split["trainer"], self.engine_dtype
+        )
 
     def generate(self, step: int):
 
@@ -214,7 +237,23 @@ class JobRuntime:
         num_tokens = int(metrics["train/num_tokens"])
         self.recorder.span("train", step, "trainer", start, end, num_tokens=num_tokens)
         metrics["train/tokens_per_s"] = num_tokens / max(end - start, 1e-9)
+        self._warn_if_update_lost(step, metrics.get("train/update_kept_frac"))
         return metrics
+
+    def _warn_if_update_lost(self, step: int, kept: float | None) -> None:
+        """Once per run: most of a step's weight changes are below the engines' precision."""
+        if kept is None or kept >= 0.5 or self._warned_update_lost:
+            return
+        self._warned_update_lost = True
+        message = (
+            f"step {step}: only {kept:.0%} of the weights this step changed reach the engines, which hold "
+            f"{self.engine_dtype}: smaller changes round away at the push. They are kept in the fp32 master weights "
+            f"until they add up (and the trainer forwards with the weights as pushed, so both sides still run the "
+            f"same policy), but the engines' policy moves slower than the optimizer's. A larger learning rate, or "
+            f"engines in float32 (rollout.engine.dtype), let more of each update through; see train/update_kept_frac."
+        )
+        log.warning(message)
+        self.recorder.event("warning", message, step=step, update_kept_frac=kept)
 
     def push_weights(self, step: int, version: int | None = None, pause_mode: str = "in_place") -> dict[str, float]:
         """Trainer → engines: export, publish, pause → load → version++ → resume; then check equality.

@@ -45,6 +45,7 @@ class TrainerWorker:
         weights_dir: str,
         num_receivers: int = 1,
         cpus: list[int] | None = None,
+        engine_dtype: str = "float32",
     ) -> None:
         import torch
 
@@ -59,6 +60,7 @@ class TrainerWorker:
         pin_to(cpus)
         self.rank = rank
         self.backend = build_backend(job.train, model_path, rank, world_size, init_method)
+        self.backend.set_push_dtype(engine_dtype)  # the policy the engines run: what the trainer forwards with
         self.sender = None
         if rank == 0:
             sync: SyncConfig = job.sync.model_copy(update={"dir": job.sync.dir or weights_dir})
@@ -116,6 +118,7 @@ class RolloutWorker:
         from miles_control.config import JobSpec
         from miles_rollout import RolloutManager, build_engine
         from miles_rollout.data import PromptStream
+        from miles_rollout.prompts import PromptEncoder
 
         job = JobSpec.model_validate(spec)
         self.config = job.rollout
@@ -124,7 +127,8 @@ class RolloutWorker:
         pin_to(cpus)  # before the engine starts: SGLang servers inherit the cores
         self.engine = build_engine(job.rollout.engine, Path(model_path), seed=job.seed)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.manager = RolloutManager(self.engine, tokenizer, job.rollout)
+        encoder = PromptEncoder(tokenizer, job.data.chat_template, job.data.system_prompt)
+        self.manager = RolloutManager(self.engine, tokenizer, job.rollout, encoder)
         self.stream = PromptStream(train_prompts, seed=job.seed)
         self.eval_prompts = eval_prompts[: job.rollout.eval.num_prompts]
 

@@ -1,0 +1,103 @@
+"""What a job is checked for before any actor starts, so that a bad combination fails in seconds with the
+field to change rather than minutes later inside a Ray actor:
+
+- the model is one the chosen trainer backend and rollout engine run (a refused config.json field is named);
+- pushes can reach the engines exactly (`sync.dtype` against the dtype the engines hold);
+- the reward resolves to a function, and the chat template renders the first prompt.
+
+Plug-in modules (rewards named by dotted path) are found on `sys.path`; `miles run` puts the job file's
+folder there first, and `plugin_path` makes Ray's workers see the same folders.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from miles_control.config import JobSpec
+
+
+class JobCheckError(ValueError):
+    """A job that cannot run as specified; the message names the field (or config.json field) to change."""
+
+
+def add_plugin_dirs(dirs: Sequence[str | Path]) -> None:
+    """Make modules in `dirs` importable in this process (first on the path)."""
+    import importlib
+
+    for folder in reversed([str(Path(d).resolve()) for d in dirs]):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    importlib.invalidate_caches()
+
+
+def plugin_path(dirs: Sequence[str | Path]) -> str:
+    """PYTHONPATH for worker processes: `dirs` ahead of whatever this process was given."""
+    parts = [str(Path(d).resolve()) for d in dirs]
+    if os.environ.get("PYTHONPATH"):
+        parts.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(parts)
+
+
+def check_job(spec: JobSpec, model_path: Path, train_prompts: list | None = None) -> None:
+    """Raise JobCheckError for the first problem found (see the module docstring)."""
+    from transformers import AutoConfig
+
+    from miles_rollout.engines import check_model as check_engine_model
+    from miles_rollout.engines.checkpoint import engine_dtype
+    from miles_rollout.rewards import resolve_reward
+    from miles_train.backends import check_model as check_backend_model
+
+    hf_config = AutoConfig.from_pretrained(str(model_path))
+    try:
+        check_backend_model(spec.train.backend, hf_config)
+        check_engine_model(spec.rollout.engine, hf_config)
+    except ValueError as exc:
+        raise JobCheckError(f"model {model_path}: {exc}") from None
+    try:
+        spec.sync.for_engines(engine_dtype(spec.rollout.engine.dtype, model_path))
+    except ValueError as exc:
+        raise JobCheckError(str(exc)) from None
+    try:
+        resolve_reward(spec.rollout.reward)
+    except ValueError as exc:
+        raise JobCheckError(f"rollout.reward: {exc}") from None
+    if spec.data.chat_template != "none" and train_prompts:
+        from transformers import AutoTokenizer
+
+        from miles_rollout.prompts import PromptEncoder
+
+        encoder = PromptEncoder(
+            AutoTokenizer.from_pretrained(str(model_path)), spec.data.chat_template, spec.data.system_prompt
+        )
+        encoder.encode(train_prompts[0])
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain_error(exc: BaseException) -> BaseException:
+    """The exception a user should see: for an error raised inside a Ray actor, the original one (Ray wraps it
+    with the remote traceback and terminal colour codes)."""
+    try:
+        from ray.exceptions import RayError
+    except ImportError:
+        return exc
+    for _ in range(5):  # an actor that died of a task error: two layers
+        cause = getattr(exc, "cause", None)
+        if not isinstance(exc, RayError) or not isinstance(cause, BaseException) or cause is exc:
+            break
+        exc = cause
+    return exc
+
+
+def describe_error(exc: BaseException) -> str:
+    """`Type: message` of `plain_error(exc)`, without colour codes (what the store and the terminal show)."""
+    plain = plain_error(exc)
+    text = _ANSI.sub("", str(plain))
+    if plain is not exc and "Traceback" in text:
+        text = text.split("Traceback")[0].strip() or text
+    return f"{type(plain).__name__}: {text}"

@@ -1,0 +1,146 @@
+"""What a job is checked for before any actor starts, and how errors from inside the actors reach the user."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from miles_control.config import JobSpec
+from miles_control.preflight import JobCheckError, check_job, describe_error, plain_error
+
+
+@pytest.fixture(scope="module")
+def llama32_bf16(tmp_path_factory):
+    """A tiny Llama 3.2-style checkpoint: tied head, llama3 RoPE scaling, saved in bf16."""
+    folder = tmp_path_factory.mktemp("llama32")
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def spec(**fields) -> JobSpec:
+    return JobSpec.model_validate({"name": "j", "rollout": {"engine": {"type": "hf"}}, **fields})
+
+
+def test_a_backend_that_cannot_train_the_model_is_refused_naming_the_config_field(llama32_bf16):
+    with pytest.raises(JobCheckError, match=r"megatron backend: config.json rope_parameters.rope_type: 'llama3'"):
+        check_job(spec(train={"backend": "megatron"}), llama32_bf16)
+    check_job(spec(), llama32_bf16)  # fsdp2 trains whatever transformers builds
+
+
+def test_pushes_the_engines_would_round_are_refused(llama32_bf16):
+    with pytest.raises(JobCheckError, match="sync.dtype: float32 is not what the engines hold \\(bfloat16\\)"):
+        check_job(spec(sync={"dtype": "float32"}), llama32_bf16)
+    # fp32 engines hold a bf16 checkpoint exactly, and fp32 pushes too
+    check_job(spec(sync={"dtype": "float32"}, rollout={"engine": {"type": "hf", "dtype": "float32"}}), llama32_bf16)
+
+
+def test_sglang_weight_check_knows_its_families(llama32_bf16, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)).save_pretrained(tmp_path)
+    sglang = {"engine": {"type": "sglang"}}
+    with pytest.raises(JobCheckError, match="sglang engine: config.json model_type: 'gpt2' has no known SGLang"):
+        check_job(spec(rollout=sglang), tmp_path)
+    check_job(spec(rollout={"engine": {"type": "sglang", "verify_weights": False}}), tmp_path)
+
+
+def test_an_unresolvable_reward_is_named(llama32_bf16):
+    with pytest.raises(JobCheckError, match="rollout.reward: cannot import module 'nowhere_xyz'"):
+        check_job(spec(rollout={"engine": {"type": "hf"}, "reward": "nowhere_xyz:f"}), llama32_bf16)
+
+
+@pytest.mark.slow
+def test_an_error_raised_in_a_ray_actor_reaches_the_user_as_raised():
+    import ray
+
+    from miles_rollout.rewards import RewardError
+
+    class Worker:
+        def fail(self):
+            raise RewardError("reward 'x:f' returned 'oops' (str)")
+
+    ray.init(num_cpus=1, include_dashboard=False, address="local")
+    try:
+        actor = ray.remote(Worker).remote()
+        with pytest.raises(Exception) as caught:
+            ray.get(actor.fail.remote())
+    finally:
+        ray.shutdown()
+    assert "\x1b[" in str(caught.value) or "Traceback" in str(caught.value)  # what Ray hands over
+    assert isinstance(plain_error(caught.value), RewardError)
+    assert describe_error(caught.value) == "RewardError: reward 'x:f' returned 'oops' (str)"
+
+
+REWARD_MODULE = '''
+def score(sample):
+    """A number for samples of the first weight version; a string afterwards (a plug-in bug)."""
+    return 1.0 if sample.weight_versions[0] == 0 else "oops"
+'''
+
+
+@pytest.mark.slow
+def test_a_reward_beside_the_job_file_is_found_and_its_bad_value_is_reported_plainly(tmp_path):
+    """No PYTHONPATH: `miles run` puts the job file's folder on the path of the driver and of every Ray worker.
+    The module works at step 1 and returns a string at step 2: the job fails naming the function and the value,
+    without Ray's wrapping or colour codes, and step 1 stays recorded."""
+    from miles_control.store import Store
+
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / "beside_reward.py").write_text(REWARD_MODULE)
+    (jobs / "job.yaml").write_text(
+        f"name: plugin\nstore:\n  url: sqlite:///{tmp_path}/m.db\n"
+        "model:\n  warm_start_steps: 0\n  hidden_size: 32\n  num_layers: 1\n  intermediate_size: 64\n"
+        "rollout:\n  engine:\n    type: hf\n  num_prompts_per_step: 4\n  num_samples_per_prompt: 2\n"
+        "  reward: beside_reward:score\n  eval:\n    every_steps: 0\n    num_prompts: 4\n"
+        "schedule:\n  num_steps: 3\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"MILES_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+    result = subprocess.run(
+        [sys.executable, "-m", "miles_control.cli", "run", str(jobs / "job.yaml"), "--quiet"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    expected = "RewardError: reward 'beside_reward:score' returned 'oops' (str)"
+    assert expected in result.stderr, result.stderr[-3000:]
+    assert "\x1b[" not in result.stderr and "RayTaskError" not in result.stderr
+    store = Store(f"sqlite:///{tmp_path}/m.db")
+    [job], _ = store.jobs()
+    assert job.status == "failed" and job.error.startswith(expected) and "\x1b[" not in job.error
+    assert [step for step, _ in store.metric_series(job.id, "rollout/reward_mean")] == [1]
+
+
+def test_an_update_mostly_lost_to_rounding_is_reported_once(caplog):
+    """train/update_kept_frac under 0.5: one warning in the log and one event in the store, naming the cause."""
+    from types import SimpleNamespace
+
+    from miles_control.runtime.job import JobRuntime
+
+    events = []
+    runtime = SimpleNamespace(
+        _warned_update_lost=False,
+        engine_dtype="bfloat16",
+        recorder=SimpleNamespace(event=lambda kind, message, **data: events.append((kind, message, data))),
+    )
+    with caplog.at_level("WARNING"):
+        for step, kept in ((1, 0.9), (2, None), (3, 0.14), (4, 0.1)):
+            JobRuntime._warn_if_update_lost(runtime, step, kept)
+    [(kind, message, data)] = events
+    assert kind == "warning" and data == {"step": 3, "update_kept_frac": 0.14}
+    assert "only 14% of the weights this step changed reach the engines, which hold bfloat16" in message
+    assert [r.message for r in caplog.records] == [message]
