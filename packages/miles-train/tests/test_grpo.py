@@ -120,6 +120,7 @@ def test_tis_needs_recomputed_old_logprobs():
 
     from miles_train.config import GRPOConfig
 
-    with pytest.raises(ValidationError, match="tis_cap needs old_logprobs: recompute"):
-        GRPOConfig(tis_cap=2.0)
+    with pytest.raises(ValidationError, match="tis_cap needs the trainer's old-policy logprobs"):
+        GRPOConfig(tis_cap=2.0, old_logprobs="rollout")
     assert GRPOConfig(tis_cap=2.0, old_logprobs="recompute").tis_cap == 2.0
+    assert GRPOConfig(tis_cap=2.0).old_logprobs == "auto"  # auto recomputes when tis_cap is set
