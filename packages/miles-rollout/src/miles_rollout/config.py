@@ -19,7 +19,7 @@ class HFEngineConfig(_Strict):
 
     type: Literal["hf"] = "hf"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: the checkpoint's dtype (config.json). On CPU, bf16 decoding is slower than fp32."
+        "auto", description="auto: the checkpoint's dtype (config.json)."
     )
     max_batch_size: int = Field(1024, gt=0, description="Sequences decoded together in one forward pass.")
     num_threads: int | None = Field(None, gt=0, description="torch threads for this engine; None keeps torch's.")
@@ -34,7 +34,8 @@ class SGLangEngineConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="auto: the checkpoint's dtype (config.json; SGLang's own auto would run fp32 checkpoints in "
-        "half precision). On CPU, SGLang in bf16 decodes 5-16x slower than in fp32 (its torch-native paths).",
+        "half precision). A bf16 engine sees only weight changes larger than half a bf16 step: with a small "
+        "learning rate, fp32 engines receive more of each update (README, 'Real models').",
     )
     max_total_tokens: int = Field(65536, gt=0, description="KV-cache size per server, in tokens.")
     startup_timeout_s: float = Field(180.0, gt=0)
