@@ -103,13 +103,13 @@ def run_combination(
 
 
 def engine_config(engine_name: str, log_dir: Path):
-    """`hf` or `sglang` in the checkpoint's dtype; `sglang-fp32` in fp32 whatever the checkpoint's."""
+    """`hf` or `sglang` in the checkpoint's dtype; with `-fp32` (e.g. `hf-fp32`), in fp32 whatever the checkpoint's."""
     from miles_rollout import HFEngineConfig
     from miles_rollout.config import SGLangEngineConfig
 
-    if engine_name == "hf":
-        return HFEngineConfig()
     dtype = "float32" if engine_name.endswith("-fp32") else "auto"
+    if engine_name.startswith("hf"):
+        return HFEngineConfig(dtype=dtype)
     return SGLangEngineConfig(type="sglang", dtype=dtype, max_total_tokens=4096, log_dir=str(log_dir))
 
 
@@ -178,7 +178,7 @@ def main() -> None:
         plan = [
             (model_dir, "hf", ["fsdp2"], "smollm2/hf", options),
             (model_dir, "sglang", BACKENDS, "smollm2/sglang", options),
-            (model_dir, "sglang-fp32", ["fsdp2"], "smollm2/sglang-fp32", options),  # fp32 engines: nothing rounds
+            (model_dir, "hf-fp32", ["fsdp2"], "smollm2/hf-fp32", options),  # fp32 engines: nothing rounds
         ]
     else:
         plan = [

@@ -81,13 +81,16 @@ def wait_text(page, pattern: str, timeout_s: float = 240) -> None:
 
 
 def test_launch_watch_timeline_and_tune_in_a_browser(stack):
+    from playwright.sync_api import expect
+
     page, base = stack["page"], stack["base"]
     page.goto(base)
     wait_text(page, "^Jobs$")
     wait_text(page, "No jobs yet")
     shot(page, "1-jobs-empty")
     spec = page.get_by_label("Job spec (YAML)")
-    assert "name: arithmetic-quick" in spec.input_value()  # the default preset
+    # the default preset; the page may still be filling the form when its first elements show
+    expect(spec).to_have_value(re.compile("name: arithmetic-quick"), timeout=60_000)
     page.get_by_role("button", name="Launch").click()
     wait_text(page, r"Job #1 \(arithmetic-quick\) is queued")
     shot(page, "2-jobs-launched")

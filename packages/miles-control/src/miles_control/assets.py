@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from miles_control.config import BuiltinModelConfig, JobSpec, PackagedModelConfig, PathModelConfig
@@ -61,14 +62,15 @@ def _cache_key(config: BuiltinModelConfig, digits: int) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def build_builtin_model(config: BuiltinModelConfig, digits: int = 2, root: Path | None = None) -> Path:
-    target = (root or cache_root()) / "models" / f"{config.name}-{_cache_key(config, digits)}"
+def cached_folder(target: Path, build: Callable[[Path], None]) -> Path:
+    """`target`, made by `build(staging folder)` unless a complete one exists (its `miles_asset.json` is written
+    last); the staging folder is renamed into place, so a half-built model is never seen."""
     if (target / "miles_asset.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        _build_into(config, digits, staging)
+        build(staging)
         if target.exists():  # another process finished first
             shutil.rmtree(staging)
         else:
@@ -77,6 +79,11 @@ def build_builtin_model(config: BuiltinModelConfig, digits: int = 2, root: Path 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def build_builtin_model(config: BuiltinModelConfig, digits: int = 2, root: Path | None = None) -> Path:
+    target = (root or cache_root()) / "models" / f"{config.name}-{_cache_key(config, digits)}"
+    return cached_folder(target, lambda staging: _build_into(config, digits, staging))
 
 
 def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
@@ -182,20 +189,7 @@ def build_packaged_model(config: PackagedModelConfig, root: Path | None = None) 
         sort_keys=True,
     )
     target = (root or cache_root()) / "models" / f"{config.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if (target / "miles_asset.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
-        _convert_gguf(source, config, staging)
-        if target.exists():  # another process finished first
-            shutil.rmtree(staging)
-        else:
-            staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+    return cached_folder(target, lambda staging: _convert_gguf(source, config, staging))
 
 
 def _convert_gguf(source: Path, config: PackagedModelConfig, folder: Path) -> None:
