@@ -91,6 +91,6 @@ def test_two_steps_or_a_clear_refusal(matrix, family, dtype, engine, backend):
         assert "train/update_kept_frac" not in steps[1]  # nothing rounds
     else:
         assert diff <= BF16_BOUND, diff
-        assert 0.0 <= steps[1]["train/update_kept_frac"] <= 1.0
+        assert 0.0 < steps[1]["train/update_kept_frac"] < 1.0  # some changes round away, most do not (lr 1e-3)
     # old logprobs recomputed under the weights as pushed, the forward under them too: the ratio starts at 1
     assert steps[1]["train/ratio"] == pytest.approx(1.0, abs=1e-5)

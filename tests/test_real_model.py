@@ -62,7 +62,7 @@ def test_smollm2_as_shipped_two_steps(runs, engine, backend):
     assert after_push["train/logprob_diff"] <= (SMOLLM2_BF16_BOUND if dtype == "bfloat16" else 1e-5)
     assert after_push["train/ratio"] == pytest.approx(1.0, abs=1e-5)
     if dtype == "bfloat16":
-        assert 0.0 <= after_push["train/update_kept_frac"] <= 1.0
+        assert 0.0 < after_push["train/update_kept_frac"] < 0.2  # at lr 1e-5 most changes round away
     else:
         assert "train/update_kept_frac" not in after_push  # nothing rounds
 

@@ -134,7 +134,7 @@ def test_an_update_mostly_lost_to_rounding_is_reported_once(caplog):
     events = []
     runtime = SimpleNamespace(
         _warned_update_lost=False,
-        engine_dtype="bfloat16",
+        pushed_precision="bfloat16",
         recorder=SimpleNamespace(event=lambda kind, message, **data: events.append((kind, message, data))),
     )
     with caplog.at_level("WARNING"):
@@ -142,5 +142,5 @@ def test_an_update_mostly_lost_to_rounding_is_reported_once(caplog):
             JobRuntime._warn_if_update_lost(runtime, step, kept)
     [(kind, message, data)] = events
     assert kind == "warning" and data == {"step": 3, "update_kept_frac": 0.14}
-    assert "only 14% of the weights this step changed reach the engines, which hold bfloat16" in message
+    assert "only 14% of the weights this step changed reach the engines, which run bfloat16 weights" in message
     assert [r.message for r in caplog.records] == [message]

@@ -141,3 +141,8 @@ def test_a_reward_that_is_not_a_number_names_the_function_and_the_value(value):
     with pytest.raises(RewardError, match=rf"reward 'my.rewards:f' returned {re.escape(repr(value)[:20])}"):
         score(lambda s: value, sample("an answer", "95"), "my.rewards:f")
     assert score(lambda s: True, sample("a", "b"), "f") == 1.0  # bool and ints are numbers
+    import torch
+
+    assert score(lambda s: torch.tensor(0.25), sample("a", "b"), "f") == 0.25  # a reward model's 0-d tensor
+    with pytest.raises(RewardError, match=r"returned tensor\(\[1\., 2\.\]\)"):
+        score(lambda s: torch.tensor([1.0, 2.0]), sample("a", "b"), "f")

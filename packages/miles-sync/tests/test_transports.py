@@ -226,3 +226,12 @@ def test_wire_dtype_resolves_against_the_engines(wire, engines, resolved, refuse
         assert SyncConfig(dtype=wire, check_weights=False).for_engines(engines).dtype == wire  # unchecked: allowed
     else:
         assert config.for_engines(engines).dtype == resolved
+
+
+@pytest.mark.parametrize(
+    ("wire", "engines", "runs"),
+    [("auto", "bfloat16", "bfloat16"), ("bfloat16", "float32", "bfloat16"), (None, "float32", "float32")],
+)
+def test_the_precision_the_engines_run_after_a_push(wire, engines, runs):
+    """What the trainer must forward with to train the engines' policy: bf16 sent to fp32 engines is bf16 there."""
+    assert SyncConfig(dtype=wire).for_engines(engines).pushed_precision(engines) == runs

@@ -61,7 +61,9 @@ def run_ranks(model_dir, world_size: int, tmp_path, variant: str = "fsdp2", mode
 
 
 # (variant, world size, model): see backend_rank.py for the variants. `qwen2` is untied with q/k/v
-# biases; `llama` has no biases and tied embeddings. Both have an odd vocabulary (TP=2 pads it).
+# biases; `llama` has no biases and tied embeddings; `qwen3` has per-head q/k norms (under TP=2 their
+# gradients come from each rank's heads and must be summed) and tied embeddings. All have an odd
+# vocabulary (TP=2 pads it).
 LAYOUTS = [
     ("fsdp2", 1, "qwen2"),
     ("fsdp2", 2, "qwen2"),
@@ -74,14 +76,17 @@ LAYOUTS = [
     ("fsdp2", 1, "llama"),
     ("megatron-tp2", 2, "llama"),
     ("torchtitan-tp2", 2, "llama"),
+    ("fsdp2", 1, "qwen3"),
+    ("megatron-tp2", 2, "qwen3"),
+    ("torchtitan-tp2", 2, "qwen3"),
 ]
 IDS = [f"{m}-{v}-ws{n}" for v, n, m in LAYOUTS]
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model_dir, tiny_llama_dir):
-    return {"qwen2": tiny_model_dir, "llama": tiny_llama_dir}
+def models(tiny_model_dir, tiny_llama_dir, tiny_qwen3_dir):
+    return {"qwen2": tiny_model_dir, "llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +242,7 @@ def test_off_policy_correction_matches_plain_pytorch(world_size, tiny_model_dir,
     assert metrics["train/sample_weight_mean"] == pytest.approx((1 + 0.5 + 0.25) / 3)
 
 
-PUSHED = [("fsdp2", 2), ("megatron", 1), ("torchtitan", 1)]
+PUSHED = [("fsdp2", 2), ("megatron", 1), ("torchtitan", 1), ("megatron-tp2", 2), ("torchtitan-tp2", 2)]
 
 
 @pytest.mark.parametrize(("variant", "world_size"), PUSHED, ids=[f"{v}-ws{n}" for v, n in PUSHED])

@@ -144,7 +144,12 @@ class JobSpec(_Strict):
 
     @field_validator("model", mode="before")
     @classmethod
-    def _builtin_by_default(cls, value: Any) -> Any:
+    def _source_by_default(cls, value: Any) -> Any:
+        """A mapping without `source`: a `path` is a folder, a packaged model's `name` is that model, anything
+        else the built-in model's fields (as the default is)."""
         if isinstance(value, dict) and "source" not in value:
-            return {**value, "source": "builtin"}  # a mapping of the built-in model's fields, as the default is
+            if "path" in value:
+                return {**value, "source": "path"}
+            packaged = PackagedModelConfig.model_fields["name"].annotation.__args__
+            return {**value, "source": "package" if value.get("name") in packaged else "builtin"}
         return value

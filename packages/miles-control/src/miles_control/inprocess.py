@@ -10,16 +10,11 @@ Jobs themselves run through `miles_control.runtime`.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from miles_control.testing import free_port
 
 
 def checkpoint_weights(model_dir: Path) -> list:
@@ -33,7 +28,7 @@ def reset_engine(engine, model_dir: Path, engine_dtype: str, folder: Path) -> No
     """Back to the checkpoint's weights (an earlier run left its own), checked as every push is."""
     from miles_sync import SyncConfig, build_sender
 
-    sender = build_sender(SyncConfig(transport="disk", dir=str(folder), dtype=engine_dtype))
+    sender = build_sender(SyncConfig(transport="disk", dir=str(folder)).for_engines(engine_dtype))
     handle = sender.publish(checkpoint_weights(model_dir), weight_version=0)
     if engine.receive(handle) != handle.fingerprint:
         raise RuntimeError("reset: the engine does not hold the checkpoint's weights")
@@ -60,9 +55,10 @@ def run_steps(
     from miles_train import TrainConfig, build_backend
     from miles_train.types import TrainBatch
 
+    sync = SyncConfig(transport="tensor").for_engines(engine_dtype)  # what a job's runtime resolves (sync.dtype: auto)
     backend = build_backend(TrainConfig.model_validate(train), model_dir, 0, 1, f"tcp://127.0.0.1:{free_port()}")
-    backend.set_push_dtype(engine_dtype)
-    sender = build_sender(SyncConfig(transport="tensor", dtype=engine_dtype))
+    backend.set_push_dtype(sync.pushed_precision(engine_dtype))
+    sender = build_sender(sync)
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     steps = []
     try:

@@ -3,17 +3,17 @@ field to change rather than minutes later inside a Ray actor:
 
 - the model is one the chosen trainer backend and rollout engine run (a refused config.json field is named);
 - pushes can reach the engines exactly (`sync.dtype` against the dtype the engines hold);
-- the reward resolves to a function, and the chat template renders the first prompt.
+- the reward resolves to a function, and the chat template renders every prompt.
 
-Plug-in modules (rewards named by dotted path) are found on `sys.path`; `miles run` puts the job file's
-folder there first, and `plugin_path` makes Ray's workers see the same folders.
+Plug-in modules (rewards named by dotted path) are found on the module search path, extended by
+MILES_PLUGIN_DIRS (`miles_rollout.plugins`): `miles run` sets it to the job file's folder here, and the
+runtime hands it to Ray's workers.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,25 +24,21 @@ class JobCheckError(ValueError):
     """A job that cannot run as specified; the message names the field (or config.json field) to change."""
 
 
-def add_plugin_dirs(dirs: Sequence[str | Path]) -> None:
-    """Make modules in `dirs` importable in this process (first on the path)."""
-    import importlib
+def add_plugin_dirs(dirs: Sequence[str | Path]) -> str:
+    """Make modules in `dirs` importable by dotted path in this process and the processes it starts (after the
+    installed packages); returns the value of MILES_PLUGIN_DIRS to give workers."""
+    from miles_rollout.plugins import PLUGIN_DIRS_ENV, plugin_dirs_on_path
 
-    for folder in reversed([str(Path(d).resolve()) for d in dirs]):
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-    importlib.invalidate_caches()
-
-
-def plugin_path(dirs: Sequence[str | Path]) -> str:
-    """PYTHONPATH for worker processes: `dirs` ahead of whatever this process was given."""
-    parts = [str(Path(d).resolve()) for d in dirs]
-    if os.environ.get("PYTHONPATH"):
-        parts.append(os.environ["PYTHONPATH"])
-    return os.pathsep.join(parts)
+    known = [d for d in os.environ.get(PLUGIN_DIRS_ENV, "").split(os.pathsep) if d]
+    for folder in (str(Path(d).resolve()) for d in dirs):
+        if folder not in known:
+            known.append(folder)
+    os.environ[PLUGIN_DIRS_ENV] = os.pathsep.join(known)
+    plugin_dirs_on_path()
+    return os.environ[PLUGIN_DIRS_ENV]
 
 
-def check_job(spec: JobSpec, model_path: Path, train_prompts: list | None = None) -> None:
+def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     """Raise JobCheckError for the first problem found (see the module docstring)."""
     from transformers import AutoConfig
 
@@ -65,15 +61,15 @@ def check_job(spec: JobSpec, model_path: Path, train_prompts: list | None = None
         resolve_reward(spec.rollout.reward)
     except ValueError as exc:
         raise JobCheckError(f"rollout.reward: {exc}") from None
-    if spec.data.chat_template != "none" and train_prompts:
+    if spec.data.chat_template != "none" and prompts:
         from transformers import AutoTokenizer
 
         from miles_rollout.prompts import PromptEncoder
 
-        encoder = PromptEncoder(
-            AutoTokenizer.from_pretrained(str(model_path)), spec.data.chat_template, spec.data.system_prompt
-        )
-        encoder.encode(train_prompts[0])
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        encoder = PromptEncoder(tokenizer, spec.data.chat_template, spec.data.system_prompt)
+        for record in prompts:  # every prompt renders (a template may refuse some conversations): ~0.1 ms each
+            encoder.text(record)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -74,12 +74,12 @@ def run_job(
         on_phase("checking the job")
         from miles_control.preflight import check_job
 
-        check_job(spec, model_path, train_prompts)
+        check_job(spec, model_path, [*train_prompts, *eval_prompts])
         on_phase("starting Ray actors")
         from miles_control.runtime.job import JobRuntime, ensure_ray
         from miles_control.schedules import SCHEDULES
 
-        started_ray = ensure_ray(spec.ray, plugin_dirs)
+        started_ray = ensure_ray(spec.ray)
         # Absolute (actors and servers have other working directories) and unique across stores.
         run_dir = Path(spec.output_dir).resolve() / f"job-{job_id}-{uuid.uuid4().hex[:8]}"
         recorder.event("run_dir", f"run folder {run_dir}", path=str(run_dir))

@@ -107,7 +107,8 @@ class DataConfig(_Strict):
     chat_template: str = Field(
         "none",
         description="none: prompts are encoded as plain text; model: rendered with the tokenizer's chat template "
-        "(a text prompt is one user turn), as an Instruct model expects; or a path to a Jinja template file.",
+        "(a text prompt is one user turn), as an Instruct model expects; or a path to a Jinja template file. A "
+        "template writes every special token itself (a BOS included): none is added to what it renders.",
     )
     system_prompt: str | None = Field(
         None, description="Opens every conversation (unless its messages bring one); needs a chat_template."

@@ -1,13 +1,34 @@
-"""Resolve user code named by a dotted path: `package.module:attribute` or `package.module.attribute`."""
+"""Resolve user code named by a dotted path: `package.module:attribute` or `package.module.attribute`.
+
+Modules are imported from the module search path, extended by the folders in the environment variable
+MILES_PLUGIN_DIRS (`miles run` sets it to the job file's folder, for the driver and every Ray worker). They
+are appended: a plug-in module never shadows an installed package of the same name.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
+
+PLUGIN_DIRS_ENV = "MILES_PLUGIN_DIRS"
+
+
+def plugin_dirs_on_path() -> None:
+    """Append the folders of MILES_PLUGIN_DIRS to `sys.path` (once each)."""
+    added = False
+    for folder in os.environ.get(PLUGIN_DIRS_ENV, "").split(os.pathsep):
+        if folder and folder not in sys.path:
+            sys.path.append(folder)
+            added = True
+    if added:
+        importlib.invalidate_caches()
 
 
 def resolve_dotted(path: str) -> Any:
     """Import and return the object named by `path`; raise ValueError naming what is missing."""
+    plugin_dirs_on_path()
     if ":" in path:
         module_name, _, attr_path = path.partition(":")
     else:

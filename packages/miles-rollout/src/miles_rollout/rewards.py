@@ -35,6 +35,8 @@ class RewardError(ValueError):
 def score(reward_fn: RewardFn, sample: Sample, name: str) -> float:
     """`reward_fn(sample)` as a float; a non-number (or NaN, inf) raises RewardError naming `name` and the value."""
     value = reward_fn(sample)
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array (a reward model's)
+        value = value.item()
     if isinstance(value, numbers.Real) and math.isfinite(value):  # bool and NumPy scalars are numbers too
         return float(value)
     shown = repr(value)

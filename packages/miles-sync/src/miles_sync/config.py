@@ -74,3 +74,10 @@ class SyncConfig(BaseModel):
                 "sync.check_weights: false"
             )
         return self.model_copy(update={"dtype": dtype})
+
+    def pushed_precision(self, engine_dtype: str) -> str:
+        """The precision of the weights the engines run after a push of this (resolved) config: the wire dtype
+        when the engines hold it exactly (bf16 sent to fp32 engines is bf16 there), else the engines' own."""
+        if self.dtype in (None, AUTO) or not holds_exactly(engine_dtype, self.dtype):
+            return engine_dtype
+        return self.dtype

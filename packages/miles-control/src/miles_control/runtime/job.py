@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +24,19 @@ WORKER_ENV = {
 }
 
 
-def ensure_ray(config: RayConfig, plugin_dirs: Sequence[str | Path] = ()) -> bool:
-    """Connect to the configured cluster or start a local instance; True if this call started it. Workers
-    find plug-in modules in `plugin_dirs` (on PYTHONPATH)."""
+def ensure_ray(config: RayConfig) -> bool:
+    """Connect to the configured cluster or start a local instance; True if this call started it. Workers get
+    this process's MILES_PLUGIN_DIRS (plug-in modules beside the job file; the paths must exist where they run).
+    A Ray instance started before this call keeps its own environment."""
     import ray
 
-    from miles_control.preflight import plugin_path
+    from miles_rollout.plugins import PLUGIN_DIRS_ENV
 
     if ray.is_initialized():
         return False
     env = dict(WORKER_ENV)
-    if plugin_dirs:
-        env["PYTHONPATH"] = plugin_path(plugin_dirs)
+    if os.environ.get(PLUGIN_DIRS_ENV):
+        env[PLUGIN_DIRS_ENV] = os.environ[PLUGIN_DIRS_ENV]
     ray.init(
         # "local": always a new instance of our own. With None, Ray would join whatever
         # /tmp/ray/ray_current_cluster names (e.g. the API server's shared head, or a dead one: a hang).
@@ -68,7 +68,7 @@ class TrainerGroup:
         weights_dir: Path,
         num_receivers: int = 1,
         pin_cpus: list[int] | None = None,
-        engine_dtype: str = "float32",
+        pushed_precision: str = "float32",
     ) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -95,7 +95,7 @@ class TrainerGroup:
                 str(weights_dir),
                 num_receivers,
                 pin_cpus,
-                engine_dtype,
+                pushed_precision,
             )
             for rank in range(world_size)
         ]
@@ -136,11 +136,14 @@ class JobRuntime:
         # The engines run the checkpoint's dtype unless the spec names another; pushes send it (sync.dtype: auto).
         self.engine_dtype = engine_dtype(spec.rollout.engine.dtype, model_path)
         spec = spec.model_copy(update={"sync": spec.sync.for_engines(self.engine_dtype)})
+        # The precision of the policy the engines run: what the trainer forwards with (policy_weights: auto).
+        self.pushed_precision = spec.sync.pushed_precision(self.engine_dtype)
         recorder.event(
             "weights",
             f"engines hold {self.engine_dtype}; pushes send {spec.sync.dtype or 'the trainer dtype'}",
             engine_dtype=self.engine_dtype,
             wire_dtype=spec.sync.dtype,
+            pushed_precision=self.pushed_precision,
         )
         self.spec = spec
         self.recorder = recorder
@@ -166,7 +169,7 @@ class JobRuntime:
         # engine to start, so only then; other transports start trainer and engine side by side).
         num_receivers = ray.get(self.rollout.broadcast_ranks.remote()) if spec.sync.transport == "broadcast" else 1
         self.trainer = TrainerGroup(
-            spec, model_path, run_dir / "weights", num_receivers, self.cpu_split["trainer"], self.engine_dtype
+            spec, model_path, run_dir / "weights", num_receivers, self.cpu_split["trainer"], self.pushed_precision
         )
 
     def generate(self, step: int):
@@ -246,8 +249,8 @@ class JobRuntime:
             return
         self._warned_update_lost = True
         message = (
-            f"step {step}: only {kept:.0%} of the weights this step changed reach the engines, which hold "
-            f"{self.engine_dtype}: smaller changes round away at the push. They are kept in the fp32 master weights "
+            f"step {step}: only {kept:.0%} of the weights this step changed reach the engines, which run "
+            f"{self.pushed_precision} weights: smaller changes round away at the push. They are kept in the fp32 master weights "
             f"until they add up (and the trainer forwards with the weights as pushed, so both sides still run the "
             f"same policy), but the engines' policy moves slower than the optimizer's. A larger learning rate, or "
             f"engines in float32 (rollout.engine.dtype), let more of each update through; see train/update_kept_frac."

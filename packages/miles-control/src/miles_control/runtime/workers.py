@@ -45,7 +45,7 @@ class TrainerWorker:
         weights_dir: str,
         num_receivers: int = 1,
         cpus: list[int] | None = None,
-        engine_dtype: str = "float32",
+        pushed_precision: str = "float32",
     ) -> None:
         import torch
 
@@ -60,7 +60,7 @@ class TrainerWorker:
         pin_to(cpus)
         self.rank = rank
         self.backend = build_backend(job.train, model_path, rank, world_size, init_method)
-        self.backend.set_push_dtype(engine_dtype)  # the policy the engines run: what the trainer forwards with
+        self.backend.set_push_dtype(pushed_precision)  # the policy the engines run: what the trainer forwards with
         self.sender = None
         if rank == 0:
             sync: SyncConfig = job.sync.model_copy(update={"dir": job.sync.dir or weights_dir})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -138,14 +139,24 @@ class GRPOBackend:
                 for p, m in zip(shards, master, strict=True):
                     p.copy_(m)
 
+    def _replicas(self, param: torch.Tensor) -> int:
+        """How many ranks hold the local data of `param` (so that global counts take each element once): for a
+        DTensor, the mesh dimensions it is replicated over; a plain tensor is on every rank."""
+        placements = getattr(param, "placements", None)
+        if placements is None:
+            return self.world_size
+        return math.prod(param.device_mesh.size(i) for i, p in enumerate(placements) if p.is_replicate())
+
     def _update_kept(self, before: list[torch.Tensor]) -> float:
         """Of the weights this step changed, the share whose pushed (rounded) value changed too (all ranks)."""
-        changed = kept = 0
+        changed = kept = 0.0
+        shards = self._param_shards()  # reshards FSDP2 modules: parameters() below are the sharded ones
         with torch.no_grad():
-            for p, old in zip(self._param_shards(), before, strict=True):
+            for param, p, old in zip(list(self.model.parameters()), shards, before, strict=True):
                 moved = p != old
-                changed += int(moved.sum())
-                kept += int((moved & (p.to(self.push_dtype) != old.to(self.push_dtype))).sum())
+                share = 1.0 / self._replicas(param)
+                changed += int(moved.sum()) * share
+                kept += int((moved & (p.to(self.push_dtype) != old.to(self.push_dtype))).sum()) * share
         counts = torch.tensor([changed, kept], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)
         return float(counts[1] / counts[0]) if counts[0] > 0 else 1.0

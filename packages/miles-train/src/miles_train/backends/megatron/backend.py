@@ -143,7 +143,12 @@ class MegatronBackend(GRPOBackend):
         self.optimizer.zero_grad()
 
     def _step_optimizer(self) -> float | None:
-        self.model.finish_grad_sync()
+        from megatron.core.distributed import finalize_model_grads
+
+        # Megatron's own gradient finalisation: the data-parallel reduction, and the sum over the TP group of
+        # the replicated weights whose inputs are split by head (Qwen3's q/k layernorms).
+        with cpu.on_cpu():
+            finalize_model_grads([self.model])
         with cpu.on_cpu():
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
@@ -154,6 +159,10 @@ class MegatronBackend(GRPOBackend):
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_group()
+
+    def _replicas(self, param: torch.Tensor) -> int:
+        """Data-parallel ranks all hold every parameter; TP ranks split some (`tensor_model_parallel`)."""
+        return self.dp_size * (1 if getattr(param, "tensor_model_parallel", False) else self.tp)
 
     # ---- weights, checkpoints -------------------------------------------------------------------
     def _local_params(self) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from miles_sync import TIED_HEAD
 from miles_train.backends.common import pad_rows, padded_vocab
 from miles_train.backends.hf_family import (
     check_divides,
@@ -132,7 +133,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: i
     out["decoder.final_layernorm.weight"] = get("model.norm.weight")
     if not tied:
         out["output_layer.weight"] = pad_rows(get("lm_head.weight"), vocab).chunk(tp, 0)[rank]
-    ignorable = {"lm_head.weight"} if tied else set()  # a tied head is the embedding
+    ignorable = {TIED_HEAD} if tied else set()  # a tied head is the embedding (miles_sync.naming)
     unused = sorted(n for n in set(hf) - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ValueError(f"megatron backend: the checkpoint has tensors the model has no place for: {unused[:5]}")
