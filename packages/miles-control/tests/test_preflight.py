@@ -73,16 +73,25 @@ def test_an_error_raised_in_a_ray_actor_reaches_the_user_as_raised():
         def fail(self):
             raise RewardError("reward 'x:f' returned 'oops' (str)")
 
+        def crash(self):
+            print("native library: the last words 7f3a", file=sys.stderr, flush=True)
+            os._exit(3)  # as a segfault or the OOM killer would end it: no exception to send back
+
     ray.init(num_cpus=1, include_dashboard=False, address="local")
     try:
         actor = ray.remote(Worker).remote()
         with pytest.raises(Exception) as caught:
             ray.get(actor.fail.remote())
+        with pytest.raises(Exception) as died:
+            ray.get(actor.crash.remote())
     finally:
         ray.shutdown()
     assert "\x1b[" in str(caught.value) or "Traceback" in str(caught.value)  # what Ray hands over
     assert isinstance(plain_error(caught.value), RewardError)
     assert describe_error(caught.value) == "RewardError: reward 'x:f' returned 'oops' (str)"
+    # Ray's message for a dead worker says only that it died; what it printed last is in its log
+    assert "7f3a" not in str(died.value)
+    assert "native library: the last words 7f3a" in describe_error(died.value)
 
 
 REWARD_MODULE = '''

@@ -96,4 +96,23 @@ def describe_error(exc: BaseException) -> str:
     text = _ANSI.sub("", str(plain))
     if plain is not exc and "Traceback" in text:
         text = text.split("Traceback")[0].strip() or text
-    return f"{type(plain).__name__}: {text}"
+    return f"{type(plain).__name__}: {text}{dead_worker_log(text)}"
+
+
+def dead_worker_log(text: str, lines: int = 25) -> str:
+    """For a Ray actor whose process died (a crash, the OOM killer), the last lines of that process's stderr
+    from Ray's session logs, which Ray's own message leaves out; "" when there is nothing to add."""
+    if "worker process has died" not in text:
+        return ""
+    pid = re.search(r"\bpid: (\d+)", text)
+    if pid is None:
+        return ""
+    tmp = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "session_latest" / "logs"
+    for log in sorted(tmp.glob(f"worker-*-{pid.group(1)}.err")):
+        try:
+            tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-lines:]
+        except OSError:
+            continue
+        if tail:
+            return f"\n  last lines of that worker's stderr ({log}):\n" + "\n".join(f"    {line}" for line in tail)
+    return ""

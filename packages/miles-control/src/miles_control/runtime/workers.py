@@ -47,11 +47,15 @@ class TrainerWorker:
         cpus: list[int] | None = None,
         pushed_precision: str = "float32",
     ) -> None:
+        import faulthandler
+
         import torch
 
         from miles_control.config import JobSpec
         from miles_sync import SyncConfig, build_sender
         from miles_train import build_backend
+
+        faulthandler.enable()  # a crash in native code leaves a Python stack in the worker's log
 
         job = JobSpec.model_validate(spec)
         torch.manual_seed(job.seed + rank)
