@@ -97,7 +97,7 @@ def stop_local_ray(data_dir: Path) -> None:
     """Stop a local Ray instance an API server under `data_dir` started and left behind (after kill -9)."""
     import json
 
-    from miles_control.api.launcher import forget_ray_cluster
+    from miles_control.launch import forget_ray_cluster
 
     state = Path(data_dir) / "state" / "ray.json"
     if state.exists():
@@ -138,7 +138,7 @@ def ray_cluster_with_dashboard(workdir: Path, num_cpus: int = 2) -> Iterator[str
                 time.sleep(0.5)
         yield url
     finally:
-        from miles_control.api.launcher import forget_ray_cluster, kill_process_group
+        from miles_control.launch import forget_ray_cluster, kill_process_group
 
         kill_process_group(proc.pid)
         forget_ray_cluster(f"127.0.0.1:{port}")

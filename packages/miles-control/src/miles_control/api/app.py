@@ -20,10 +20,10 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import text
 
 from miles_control.api.auth import ReadToken
-from miles_control.api.launcher import Launcher
 from miles_control.api.routes import router
 from miles_control.api.schemas import Health
 from miles_control.api.settings import ServerSettings
+from miles_control.launch import Launcher
 from miles_control.store import JobStatus, Store
 
 log = logging.getLogger(__name__)

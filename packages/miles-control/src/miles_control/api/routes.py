@@ -317,7 +317,7 @@ def get_logs(
             404, f"job {job_id} has no attempt {attempt}" if attempt else f"job {job_id} has no attempt yet"
         )
     if chosen[-1].launcher == "ray_job" and chosen[-1].submission_id:
-        from miles_control.api.launcher import RayJobDriver
+        from miles_control.launch import RayJobDriver
 
         address = request.app.state.settings.ray_address
         if request.app.state.settings.launcher != "ray_job" or not address:

@@ -1,0 +1,73 @@
+"""The local Ray head: started on demand by the first job and shared by all of them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from miles_control.api.settings import ServerSettings
+from miles_control.launch.processes import forget_ray_cluster, kill_process_group, port_open
+
+log = logging.getLogger(__name__)
+
+
+class LocalRay:
+    """A Ray head on this machine, started on demand by the first job and shared by all of them.
+
+    Its address and process group are kept in `<data_dir>/ray.json` so that a restarted API finds it."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.state_file = settings.data_dir.resolve() / "ray.json"
+
+    def address(self) -> str:
+        if self.settings.ray_address:
+            return self.settings.ray_address
+        if self.state_file.exists():
+            state = json.loads(self.state_file.read_text())
+            host, _, port = state["address"].rpartition(":")
+            if port_open(host, int(port)):
+                return state["address"]
+        return self._start()
+
+    def _start(self) -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log_path = self.settings.logs_root / "ray-head.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        ray_bin = Path(sys.executable).with_name("ray")
+        cmd = [
+            str(ray_bin), "start", "--head", "--block", f"--port={port}",
+            f"--num-cpus={max(1, round(self.settings.cpus))}", "--include-dashboard=false", "--disable-usage-stats",
+        ]  # fmt: skip
+        log.info("starting the local Ray instance on 127.0.0.1:%d (log %s)", port, log_path)
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        address = f"127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while not port_open("127.0.0.1", port):
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the local Ray instance did not start; see {log_path}")
+            time.sleep(0.5)
+        self.state_file.write_text(json.dumps({"address": address, "pgid": proc.pid}))
+        return address
+
+    @property
+    def driver_env(self) -> dict[str, str]:
+        # `ray start --head` turns on token auth (token in ~/.ray/auth_token); its clients must say so.
+        return {} if self.settings.ray_address else {"RAY_AUTH_MODE": "token"}
+
+    def stop(self) -> None:
+        """Stop the instance this server started (its whole process group; gcs_server ignores SIGTERM)."""
+        if self.settings.ray_address or not self.state_file.exists():
+            return
+        state = json.loads(self.state_file.read_text())
+        kill_process_group(state["pgid"])
+        forget_ray_cluster(state["address"])
+        self.state_file.unlink(missing_ok=True)
