@@ -1,0 +1,117 @@
+"""Generation: split a batch into calls, route each to the least busy admitted server, and retry a call
+elsewhere when its server fails or is quarantined while it runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from miles_rollout.config import SGLangEngineConfig
+from miles_rollout.engines.checks import group_by_sampling
+from miles_rollout.engines.sglang.router import Router, Slot
+from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+class _Quarantined(Exception):
+    """The slot serving a call was quarantined while the call was in flight: retry elsewhere."""
+
+
+def _version_number(label: str | None) -> int:
+    return int(label) if label and label.isdigit() else 0
+
+
+class Dispatcher:
+    """Sends `/generate` calls through the router."""
+
+    def __init__(self, config: SGLangEngineConfig, slots: list[Slot], router: Router) -> None:
+        self.config, self.slots, self.router = config, slots, router
+
+    async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Split into calls of at most `max_requests_per_call` (one sampling setting each), run concurrently."""
+        size = self.config.max_requests_per_call
+        calls = [
+            (sampling, indices[i : i + size])
+            for sampling, indices in group_by_sampling(requests).items()
+            for i in range(0, len(indices), size)
+        ]
+        results: list[GenerateResult | None] = [None] * len(requests)
+        async with httpx.AsyncClient(timeout=self.config.request_timeout_s) as client:
+            answers = await asyncio.gather(*(self._dispatch(client, s, [requests[i] for i in c]) for s, c in calls))
+        for (_, chunk), outs in zip(calls, answers, strict=True):
+            for i, out in zip(chunk, outs, strict=True):
+                results[i] = out
+        return results  # type: ignore[return-value]
+
+    async def _dispatch(
+        self, client: httpx.AsyncClient, sampling: SamplingParams, requests: list[GenerateRequest]
+    ) -> list[GenerateResult]:
+        """Run one call; if its server fails or is quarantined meanwhile, run it again on another."""
+        max_attempts = len(self.slots) * (self.config.max_restarts + 2)
+        for _attempt in range(max_attempts):
+            slot = await self.router.acquire(self.config.startup_timeout_s + 60)
+            try:
+                results = await self._generate_on(client, slot, sampling, requests)
+                slot.served += 1
+                return results
+            except httpx.TransportError as exc:  # connection refused or reset: the server is gone
+                self.router.quarantine(slot, f"/generate failed: {type(exc).__name__}: {exc}")
+            except _Quarantined:
+                pass
+            finally:
+                self.router.release(slot)
+                if slot.stale_cache and slot.outstanding == 0 and slot.admitted:
+                    await self._flush_when_idle(client, slot)
+        raise RuntimeError(f"sglang engine: a generate call failed {max_attempts} times on every server")
+
+    @staticmethod
+    async def _flush_when_idle(client: httpx.AsyncClient, slot: Slot) -> None:
+        """Drop prefix-cache entries of an older weight version once nothing runs on the server."""
+        try:
+            response = await client.post(f"{slot.url}/flush_cache", timeout=30)
+            slot.stale_cache = response.status_code != 200
+        except httpx.TransportError:
+            pass  # the health checks deal with a server that went away
+
+    @staticmethod
+    async def _generate_on(
+        client: httpx.AsyncClient, slot: Slot, sampling: SamplingParams, requests: list[GenerateRequest]
+    ) -> list[GenerateResult]:
+        body = {
+            "input_ids": [r.input_ids for r in requests],
+            "sampling_params": {
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "max_new_tokens": sampling.max_new_tokens,
+                "stop_token_ids": list(sampling.stop_token_ids),
+                "ignore_eos": sampling.ignore_eos,
+            },
+            "return_logprob": True,
+        }
+        call = asyncio.ensure_future(client.post(f"{slot.url}/generate", json=body))
+        while not call.done():
+            await asyncio.wait({call}, timeout=0.2)
+            if not slot.admitted and not call.done():
+                call.cancel()  # its results would come from a server we no longer trust
+                raise _Quarantined
+        response = call.result()
+        if response.status_code >= 400:
+            raise RuntimeError(
+                f"sglang engine {slot.url}/generate answered {response.status_code}: {response.text[:500]}"
+            )
+        results = []
+        for request, out in zip(requests, response.json(), strict=True):
+            meta = out["meta_info"]
+            versions = [_version_number(v.get("version")) for v in meta.get("weight_versions") or []]
+            results.append(
+                GenerateResult(
+                    request_id=request.request_id,
+                    output_ids=list(out["output_ids"]),
+                    output_logprobs=[float(lp) for lp, _, _ in meta["output_token_logprobs"]],
+                    finish_reason=_FINISH[meta["finish_reason"]["type"]],
+                    weight_versions=versions or [_version_number(meta.get("weight_version"))],
+                )
+            )
+        return results

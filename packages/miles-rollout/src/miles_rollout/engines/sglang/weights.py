@@ -1,0 +1,246 @@
+"""Weights on the SGLang servers: loading a pushed version through each transport, the per-tensor checksum
+check against the published HF tensors, and the copy of the current version kept for recovery.
+
+- `disk`: `/update_weights_from_disk` on the published folder;
+- `tensor`: `/begin_weight_update` → `/update_weights_from_tensor` per bucket (shared-memory handles,
+  CUDA IPC on GPU) → `/end_weight_update`;
+- `broadcast`: `/init_weights_update_group` on every server, then per bucket
+  `/update_weights_from_distributed` while the trainer broadcasts; this process joins the group too
+  (rank 1) and receives a copy, which is what the check and recovery need.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from miles_rollout.engines.checks import check_names, held_fingerprint
+from miles_rollout.engines.sglang.calls import ServerCalls, on_admitted, tp_size
+from miles_rollout.engines.sglang.layout import expected_checksums
+from miles_rollout.engines.sglang.pause import PauseControl
+from miles_rollout.engines.sglang.router import Router, Slot
+from miles_rollout.engines.sglang.server import EngineStartError
+from miles_sync import NamedTensor, WeightHandle, read_buckets
+
+TRANSPORTS = ("disk", "tensor", "broadcast")
+
+
+class WeightMismatchError(RuntimeError):
+    """An engine holds other weights than the ones published."""
+
+
+def folder_tensors(folder: Path) -> list[NamedTensor]:
+    """Every tensor of a checkpoint folder's safetensors files."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise EngineStartError(f"sglang engine: no *.safetensors weights in {folder}")
+    return [pair for f in files for pair in load_file(str(f)).items()]
+
+
+class WeightLoader:
+    """Loads versions into the admitted servers and checks them; `current` is the version they must hold."""
+
+    def __init__(
+        self,
+        name: str,
+        slots: list[Slot],
+        router: Router,
+        calls: ServerCalls,
+        pause: PauseControl,
+        dtype_name: str,
+        initial: list[NamedTensor],
+    ) -> None:
+        self.name, self.slots, self.router, self.calls, self.pause = name, slots, router, calls, pause
+        self.dtype_name = dtype_name
+        self.wire_dtype: str | None = None  # of the last push: the dtype the fingerprint names
+        self.set_current(initial)
+
+    # ---- the current version --------------------------------------------------------------------
+
+    def set_current(self, tensors: list[NamedTensor]) -> None:
+        """The HF tensors every server must hold now and their fingerprint (checksums: on first use)."""
+        self.current = tensors
+        self.names = {name for name, _ in tensors}
+        self._expected: dict[str, str] | None = None
+        self.fingerprint = held_fingerprint(tensors, self.dtype_name, self.wire_dtype)
+
+    @property
+    def expected(self) -> dict[str, str]:
+        """Per-tensor checksums of the current weights in SGLang's layout (what /weights_checker reports)."""
+        if self._expected is None:
+            self._expected = expected_checksums(self.current, getattr(torch, self.dtype_name))
+        return self._expected
+
+    def _accept(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
+        check_names(self.name, handle.weight_version, {name for name, _ in tensors}, self.names)
+        self.wire_dtype = handle.dtype
+        self.set_current(tensors)
+
+    def verify(self, slot: Slot, version: int) -> None:
+        """The server must report exactly the checksums of the weights last published."""
+        ranks = self.calls.post(slot.url, "/weights_checker", {"action": "checksum"})["ranks"]
+        expected = self.expected
+        for rank in ranks:
+            actual = rank["checksums"]
+            differ = sorted(n for n in expected if actual.get(n) != expected[n])
+            extra = sorted(set(actual) - set(expected))
+            if differ or extra:
+                raise WeightMismatchError(
+                    f"sglang engine {slot.url}: {len(differ)} tensors differ from weight version "
+                    f"{version} (e.g. {differ[:3]}); unexpected tensors {extra[:3]}"
+                )
+
+    # ---- loading a pushed version ---------------------------------------------------------------
+
+    def load(self, handle: WeightHandle) -> None:
+        """Load the pushed version into every admitted server (quarantining those the transport fails)."""
+        loaders = {"disk": self._load_disk, "tensor": self._load_tensor, "broadcast": self._load_broadcast}
+        if handle.transport not in loaders:
+            raise ValueError(
+                f"sglang engine: transport {handle.transport!r} cannot reach an SGLang server; "
+                f"use sync.transport: {' | '.join(TRANSPORTS)}"
+            )
+        loaders[handle.transport](handle)
+
+    def _load_disk(self, handle: WeightHandle) -> None:
+        self._accept(handle, [pair for bucket in read_buckets(handle) for pair in bucket])
+        body = {
+            "model_path": handle.location,
+            "weight_version": str(handle.weight_version),
+            "keep_pause": True,  # a paused server stays paused until resume()
+        }
+
+        def load(slot: Slot) -> None:
+            self.calls.post(slot.url, "/update_weights_from_disk", {**body, **self.pause.cache_flush_flag(slot)})
+
+        on_admitted(self.slots, self.router, load, "disk update")
+
+    def _load_tensor(self, handle: WeightHandle) -> None:
+        # Rebuilding from the handle maps the sender's shared memory (no copy); each server rank then gets
+        # its own serialization of these mapped tensors (a payload is consumed by the one process reading it).
+        buckets = list(read_buckets(handle))
+        self._accept(handle, [(name, tensor.clone()) for bucket in buckets for name, tensor in bucket])
+        on_admitted(
+            self.slots, self.router, lambda s: self.load_buckets(s, buckets, handle.weight_version), "tensor update"
+        )
+
+    def load_buckets(self, slot: Slot, buckets: list[list[NamedTensor]], version: int) -> None:
+        """`/update_weights_from_tensor` per bucket, inside `/begin_weight_update` … `/end_weight_update`."""
+        from miles_sync.transports.tensor import serialize_bucket, use_file_system_sharing
+
+        use_file_system_sharing()
+        self.calls.post(slot.url, "/begin_weight_update")
+        try:
+            for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
+                payloads = [serialize_bucket(bucket) for _ in range(tp_size(slot))]
+                body = {"serialized_named_tensors": payloads, **self.pause.cache_flush_flag(slot, last)}
+                if last:
+                    body["weight_version"] = str(version)
+                self.calls.post(slot.url, "/update_weights_from_tensor", body)
+        finally:
+            self.calls.post(slot.url, "/end_weight_update")
+
+    def load_current(self, slot: Slot, version: int) -> None:
+        """Push the current version from this process's copy, through shared memory (recovery)."""
+        from miles_sync.transports.tensor import release_shared, use_file_system_sharing
+
+        use_file_system_sharing()
+        shared = [(name, tensor.clone().share_memory_()) for name, tensor in self.current]
+        try:
+            self.load_buckets(slot, [shared], version)
+        finally:
+            release_shared([shared])
+
+    def broadcast_ranks(self) -> int:
+        """Ranks this engine takes in a `broadcast` weight group: itself (the verifier) and every server rank."""
+        return 1 + sum(tp_size(s) for s in self.slots)
+
+    def _load_broadcast(self, handle: WeightHandle) -> None:
+        """Every server joins the handle's group; this process joins as rank 1 and keeps a copy.
+
+        Ranks: 0 the trainer, 1 this process, then each server's `rank_offset + tp_rank`. A server that is
+        quarantined cannot take its ranks, so this process stands in for them (and the server gets the
+        weights when it is re-admitted)."""
+        from miles_sync.transports.broadcast import read_broadcast
+
+        group, layout = handle.group, handle.layout
+        assert group is not None and layout is not None
+        check_names(self.name, handle.weight_version, {n for bucket in layout for n, _, _ in bucket}, self.names)
+        offsets, next_rank = {}, 2
+        for slot in self.slots:
+            offsets[slot.index] = next_rank
+            next_rank += tp_size(slot)
+        if group["world_size"] != next_rank:
+            raise ValueError(
+                f"sglang engine: the broadcast group has {group['world_size']} ranks but the trainer, this engine "
+                f"and its servers need {next_rank}; build the sender with num_receivers={next_rank - 1}"
+            )
+        admitted = [s for s in self.slots if s.admitted]
+        standins = [
+            r for s in self.slots if not s.admitted for r in range(offsets[s.index], offsets[s.index] + tp_size(s))
+        ]
+        name = group["group_name"]
+        pool = ThreadPoolExecutor(max_workers=len(admitted) + len(standins) + 1)
+        try:
+            # Joining blocks until every rank is there, so all joins run at once.
+            join_body = {
+                "master_address": group["master_address"],
+                "master_port": group["master_port"],
+                "world_size": group["world_size"],
+                "group_name": name,
+                "backend": group["backend"],
+            }
+            joins = [
+                pool.submit(
+                    self.calls.post,
+                    s.url,
+                    "/init_weights_update_group",
+                    {**join_body, "rank_offset": offsets[s.index]},
+                    group["timeout_s"],
+                )
+                for s in admitted
+            ]
+            mine = read_broadcast(handle, rank=1)
+            theirs = [read_broadcast(handle, rank=r) for r in standins]
+            received: list[NamedTensor] = []
+            for index, bucket_layout in enumerate(layout):
+                last = index == len(layout) - 1
+                names, dtypes, shapes = (list(x) for x in zip(*bucket_layout, strict=True))
+                body = {
+                    "names": names,
+                    "dtypes": dtypes,
+                    "shapes": shapes,
+                    "group_name": name,
+                    "load_format": "flattened_bucket",
+                }
+                if last:
+                    body["weight_version"] = str(handle.weight_version)
+                loads = [
+                    pool.submit(
+                        self._load_distributed, s.url, {**body, **self.pause.cache_flush_flag(s, last)}, joins[i], index
+                    )
+                    for i, s in enumerate(admitted)
+                ]
+                stand = [pool.submit(next, it) for it in theirs]
+                received += next(mine)  # this process's share of the collective
+                for f in stand + loads:
+                    f.result(timeout=group["timeout_s"])
+            for s in admitted:
+                self.calls.post(s.url, "/destroy_weights_update_group", {"group_name": name})
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._accept(handle, received)
+
+    def _load_distributed(self, url: str, body: dict, joined, index: int) -> None:
+        joined.result()
+        if index == 0:
+            self.calls.post(url, "/begin_weight_update")
+        try:
+            self.calls.post(url, "/update_weights_from_distributed", body)
+        finally:
+            if "weight_version" in body:  # the last bucket
+                self.calls.post(url, "/end_weight_update")
