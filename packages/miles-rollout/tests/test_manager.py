@@ -27,10 +27,24 @@ def test_groups_of_n_samples_are_scored(manager_parts):
         assert s.prompt_ids == tokenizer.encode(s.prompt)
         assert s.prompt == prompts[s.group_index].prompt
         assert len(s.rollout_logprobs) == len(s.response_ids) == len(s.loss_mask)
-        assert s.reward == float(s.response_text.strip() == s.label)
         assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
         assert s.weight_versions == [0]
     assert [t.stage for t in batch.timings] == ["rollout", "reward"]
+    assert batch.sampling is not None and batch.sampling.max_new_tokens == 4  # how the batch was sampled
+
+
+def test_exact_match_scores_through_the_manager(manager_parts):
+    """Greedy decoding is deterministic: a label equal to the model's answer scores 1, another scores 0."""
+    engine, tokenizer = manager_parts
+    config = RolloutConfig(
+        num_samples_per_prompt=2, sampling=SamplingConfig(temperature=0.0, max_new_tokens=4), reward="exact_match"
+    )
+    manager = RolloutManager(engine, tokenizer, config)
+    first = asyncio.run(manager.generate([PromptRecord("12+30=", "?")]))
+    answer = first.samples[0].response_text.strip()
+    assert answer and all(s.response_text.strip() == answer for s in first.samples)  # greedy: the same answer
+    batch = asyncio.run(manager.generate([PromptRecord("12+30=", answer), PromptRecord("12+30=", answer + "0")]))
+    assert [s.reward for s in batch.samples] == [1.0, 1.0, 0.0, 0.0]
 
 
 def plugin_module(monkeypatch, name: str, **attrs) -> None:

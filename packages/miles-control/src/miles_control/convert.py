@@ -6,12 +6,15 @@ from miles_rollout.types import RolloutBatch, SampleStatus
 from miles_train.types import TrainBatch
 
 
-def to_train_batch(batch: RolloutBatch, temperature: float, staleness: list[int] | None = None) -> TrainBatch:
-    """Token ids pass through untouched; aborted samples are left out (they have no reward).
+def to_train_batch(batch: RolloutBatch, staleness: list[int] | None = None) -> TrainBatch:
+    """Token ids pass through untouched; aborted samples are left out (they have no reward). The trainer
+    recomputes logprobs at the temperature the engine reported them at (`SamplingParams.logprob_temperature`).
 
     `staleness`, one per sample of `batch`, is the trainer version minus the oldest engine version the
     sample was generated under (asynchronous schedules).
     """
+    if batch.sampling is None:
+        raise ValueError("to_train_batch: the RolloutBatch does not say how it was sampled (batch.sampling is None)")
     keep = [i for i, s in enumerate(batch.samples) if s.status != SampleStatus.ABORTED and s.response_ids]
     samples = [batch.samples[i] for i in keep]
     return TrainBatch(
@@ -22,7 +25,7 @@ def to_train_batch(batch: RolloutBatch, temperature: float, staleness: list[int]
         loss_mask=[s.loss_mask for s in samples],
         rewards=[s.reward for s in samples],
         group_index=[s.group_index for s in samples],
-        temperature=temperature if temperature > 0 else 1.0,
+        temperature=batch.sampling.logprob_temperature,
     )
 
 

@@ -98,6 +98,7 @@ class RolloutManager:
                 StageTiming("rollout", start, generated, num_tokens),
                 StageTiming("reward", generated, scored),
             ],
+            sampling=sampling,
         )
 
     async def evaluate(self, prompts: list[PromptRecord], temperature: float = 0.0) -> dict[str, float]:

@@ -15,6 +15,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, tests)
 
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the most likely token, every time."""
+        return self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution whose logprobs the engines report, and the trainer recomputes:
+        the sampling temperature, or 1 when greedy (the model's own distribution). The one definition of the
+        greedy convention: the hf engine and `to_train_batch` read it."""
+        return 1.0 if self.greedy else self.temperature
+
 
 @dataclass
 class GenerateRequest:
@@ -89,6 +101,11 @@ class Sample:
     def oldest_weight_version(self) -> int:
         return min(self.weight_versions)
 
+    def staleness(self, trainer_version: int) -> int:
+        """How many versions the trainer is ahead of the oldest weights this sample was generated under: the one
+        definition of staleness (schedules, the fully_async buffer and the trainer's weighting use it)."""
+        return trainer_version - self.oldest_weight_version
+
 
 @dataclass
 class StageTiming:
@@ -100,8 +117,12 @@ class StageTiming:
 
 @dataclass
 class RolloutBatch:
+    """Samples of one or more prompts, how they were sampled (the trainer needs the temperature to recompute
+    their logprobs) and the timings of the stages that made them."""
+
     samples: list[Sample]
     timings: list[StageTiming] = field(default_factory=list)
+    sampling: SamplingParams | None = None
 
     @property
     def num_groups(self) -> int:

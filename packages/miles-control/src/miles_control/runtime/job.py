@@ -235,7 +235,7 @@ class JobRuntime:
         return metrics
 
     def train(self, step: int, batch, staleness: list[int] | None = None) -> dict[str, float]:
-        train_batch = to_train_batch(batch, self.spec.rollout.sampling.temperature, staleness)
+        train_batch = to_train_batch(batch, staleness)
         metrics, start, end = self.trainer.call("train_step", train_batch)
         num_tokens = int(metrics["train/num_tokens"])
         self.recorder.span("train", step, "trainer", start, end, num_tokens=num_tokens)

@@ -157,6 +157,7 @@ class RolloutWorker:
         self.buffer = StalenessBuffer(capacity)
         self._regenerate: list = []
         self._timings: list = []
+        self._sampling = None  # of the generated batches: the taken batch says how its samples were sampled
         self._stream_error: BaseException | None = None
         self._running = threading.Event()
         self._running.set()
@@ -174,6 +175,7 @@ class RolloutWorker:
                 prompts += self.stream.next_batch(chunk_prompts - len(prompts))
                 batch = asyncio.run(self.manager.generate(prompts))
                 self._timings += batch.timings
+                self._sampling = batch.sampling
                 by_group: dict[int, list] = {}
                 for sample in batch.samples:
                     by_group.setdefault(sample.group_index, []).append(sample)
@@ -210,9 +212,11 @@ class RolloutWorker:
             for sample in group.samples:
                 sample.group_index = new_index
                 samples.append(sample)
-                staleness.append(trainer_version - min(sample.weight_versions))
+                staleness.append(sample.staleness(trainer_version))
         timings, self._timings = self._timings, []
-        batch = RolloutBatch(samples, timings=[*timings, StageTiming("wait_rollout", start, time.time())])
+        batch = RolloutBatch(
+            samples, timings=[*timings, StageTiming("wait_rollout", start, time.time())], sampling=self._sampling
+        )
         return batch, staleness, {"dropped": dropped, "regenerated": regenerate, "buffered": len(self.buffer)}
 
     def resize_buffer(self, capacity: int) -> None:

@@ -32,6 +32,7 @@ class Group:
         return min(self.versions)
 
     def staleness(self, trainer_version: int) -> int:
+        """`Sample.staleness` of its stalest sample (`versions` is the union of the samples' weight versions)."""
         return trainer_version - self.oldest
 
 

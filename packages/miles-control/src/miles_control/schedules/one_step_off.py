@@ -37,7 +37,7 @@ def run_one_step_off(
         last = step == schedule.num_steps
         if not last:
             pending = rt.generate_async()  # the next batch, generated while this one trains
-        staleness = [version - min(s.weight_versions) for s in batch.samples]
+        staleness = [s.staleness(version) for s in batch.samples]
         metrics |= rt.train(step, batch, staleness)
         metrics |= staleness_metrics(staleness)
         version += 1

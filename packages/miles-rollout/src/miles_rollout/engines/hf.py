@@ -29,12 +29,10 @@ def sample_next_token(
     logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (token ids, their logprobs under the scaled distribution)."""
-    logits = logits.float()
-    if sampling.temperature == 0.0:
-        tokens = logits.argmax(dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits.float() / sampling.logprob_temperature, dim=-1)
+    if sampling.greedy:
+        tokens = logprobs.argmax(dim=-1)
     else:
-        logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
         probs = logprobs.exp()
         if sampling.top_p < 1.0:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
