@@ -102,7 +102,13 @@ def test_job_page_shows_timeline_breakdown_sync_samples(app, dashboard_api):
     body = texts(at)
     assert "sync-run" in body and "succeeded" in body and "step 5/5" in body
     assert "Spans shown: **reward** 5, **rollout** 5, **train** 5, **weight_sync** 5" in body
-    assert "Wall time **" in body and "trainer idle" in body
+    # the numbers of the one summary (what `miles run` prints), served by the API: 5 steps of 3.05 s, 4 s apart
+    from miles_control.summary import summarize
+
+    s = summarize(dashboard_api["store"], dashboard_api["done"])
+    assert s.wall_s == pytest.approx(4 * 4 + 3.05) and s.trainer_busy_s == pytest.approx(5 * 1.45)
+    assert f"Wall time **{s.wall_s:,.1f} s** (steps 1–5)" in body and "trainer idle 0.0 s" in body
+    assert f"achieved / ideal overlap bound **{s.ratio_to_ideal:.2f}**" in body
     assert "5 updates: mean **50.0 ms**" in body and "via `disk`" in body
     assert len(at.get("vega_lite_chart")) >= 4  # metrics, timeline, breakdown, throughput, sync
     samples = [d.value for d in at.dataframe if "response" in d.value.columns]
@@ -133,5 +139,6 @@ def test_compare_page_puts_runs_side_by_side(app, dashboard_api):
     assert not at.exception
     [summary] = [d.value for d in at.dataframe if "run" in d.value.columns]
     assert sorted(summary["steps"].tolist()) == [5, 5] and summary["weight update ms (mean)"].tolist() == [50.0, 50.0]
+    assert summary["achieved / ideal"].tolist() == [round(1.6 * 5 / 19.05, 2)] * 2  # rollout busy / wall
     assert len(at.get("vega_lite_chart")) >= 2
     assert "No report at" in texts(at)

@@ -7,7 +7,6 @@ import pandas as pd
 
 STAGES = ["rollout", "reward", "train", "weight_sync", "eval", "wait_rollout", "checkpoint", "restore"]
 STAGE_COLORS = ["#4c78a8", "#72b7b2", "#f58518", "#e45756", "#54a24b", "#bab0ac", "#b279a2", "#9d755d"]
-IDLE_STAGES = {"wait_rollout"}  # the trainer waiting for data: idle time, not work
 
 # The curves a person looks at first, in this order (what exists of them is shown).
 KEY_METRICS = [
@@ -99,16 +98,21 @@ def gantt(df: pd.DataFrame) -> alt.Chart:
     )
 
 
-def breakdown(spans: list[dict]) -> tuple[pd.DataFrame, float]:
-    """Seconds per stage and share of the wall time they span; wait_rollout is marked as idle."""
-    df = spans_frame(spans)
-    if df.empty:
+def breakdown(summary: dict) -> tuple[pd.DataFrame, float]:
+    """Seconds per stage and share of the loop's wall time, from the run's summary (`GET /jobs/{id}/summary`,
+    the numbers `miles run` prints); idle stages (the trainer waiting for data) are marked as such."""
+    stages = summary["stages"]
+    if not stages:
         return pd.DataFrame(columns=["stage", "seconds", "share", "kind"]), 0.0
-    wall = float(df["end"].max() - df["start"].min())
-    per = df.assign(seconds=df["end"] - df["start"]).groupby("stage", as_index=False)["seconds"].sum()
-    per["share"] = per["seconds"] / wall if wall > 0 else 0.0
-    per["kind"] = ["idle (trainer waits)" if s in IDLE_STAGES else "work" for s in per["stage"]]
-    return per.sort_values("seconds", ascending=False).reset_index(drop=True), wall
+    per = pd.DataFrame(
+        {
+            "stage": [st["stage"] for st in stages],
+            "seconds": [st["total_s"] for st in stages],
+            "share": [st["share_of_wall"] for st in stages],
+            "kind": ["idle (trainer waits)" if st["idle"] else "work" for st in stages],
+        }
+    )
+    return per.sort_values("seconds", ascending=False).reset_index(drop=True), float(summary["wall_s"])
 
 
 def breakdown_chart(per: pd.DataFrame, by: str | None = None) -> alt.Chart:

@@ -78,6 +78,10 @@ class Api:
         params = {k: v for k, v in (("step_min", step_min), ("step_max", step_max)) if v is not None}
         return self._call("GET", f"/jobs/{job_id}/spans", params=params)
 
+    def summary(self, job_id: int) -> dict:
+        """miles_control.summary.RunSummary as the API serves it (what `miles run` prints)."""
+        return self._call("GET", f"/jobs/{job_id}/summary")
+
     def steps(self, job_id: int) -> list[dict]:
         return self._call("GET", f"/jobs/{job_id}/steps")
 

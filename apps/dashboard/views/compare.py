@@ -28,22 +28,23 @@ if chosen:
         start = min((s["started_at"] for s in steps), default=None)
         if start is not None and not points.empty:
             curves.append(points.assign(run=label, seconds=points["wall_time"] - start))
-        per, wall = breakdown(client.spans(job["id"]))
+        summary = client.summary(job["id"])  # the numbers `miles run` prints and the bench reports
+        per, wall = breakdown(summary)
         shares.append(per.assign(run=label))
-        sync = [s for s in client.spans(job["id"]) if s["stage"] == "weight_sync"]
-        accuracy = points[points["name"] == "eval/accuracy"]
+        sync_mean = summary["weight_sync_mean_s"]
+        accuracy = summary["eval_accuracy"]
         rows.append(
             {
                 "run": label,
                 "status": job["status"],
-                "steps": job["last_step"] or 0,
+                "steps": summary["num_steps"],
                 "wall s": round(wall, 1),
-                "steps/min": round(60 * (job["last_step"] or 0) / wall, 2) if wall else None,
-                "weight update ms (mean)": round(
-                    1000 * sum(s["end"] - s["start"] for s in sync) / len(sync), 1) if sync else None,
-                "final accuracy": round(float(accuracy["value"].iloc[-1]), 3) if not accuracy.empty else None,
+                "samples/s": round(summary["samples_per_s"], 2),
+                "achieved / ideal": round(summary["ratio_to_ideal"], 2),
+                "weight update ms (mean)": None if sync_mean is None else round(1000 * sync_mean, 1),
+                "final accuracy": round(accuracy[-1][1], 3) if accuracy else None,
             }
-        )  # fmt: skip
+        )
     st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
     if curves:
         df = pd.concat(curves)

@@ -49,16 +49,21 @@ def show() -> None:
     with tabs[1]:
         _timeline(job, changes)
     spans = client.spans(job_id)
+    summary = client.summary(job_id)  # the numbers `miles run` prints and the bench reports
     with tabs[2]:
-        per, wall = breakdown(spans)
+        per, wall = breakdown(summary)
         if per.empty:
-            st.info("No spans yet.")
+            st.info("No finished steps yet.")
         else:
             st.altair_chart(breakdown_chart(per), width="stretch")
             idle = per.loc[per["kind"] != "work", "seconds"].sum()
             work = per.loc[per["kind"] == "work", "seconds"].sum()
             note = " (stages overlapped: shares add up to more than 100 %)" if work > wall * 1.01 else ""
-            st.markdown(f"Wall time **{wall:,.1f} s**; work {work:,.1f} s; trainer idle {idle:,.1f} s{note}.")
+            st.markdown(
+                f"Wall time **{wall:,.1f} s** (steps 1–{summary['num_steps']}); work {work:,.1f} s; "
+                f"trainer idle {idle:,.1f} s{note}. Busy: rollout {summary['rollout_busy_s']:,.1f} s, trainer "
+                f"{summary['trainer_busy_s']:,.1f} s; achieved / ideal overlap bound **{summary['ratio_to_ideal']:.2f}**."
+            )
             st.dataframe(per.style.format({"seconds": "{:,.2f}", "share": "{:.1%}"}), hide_index=True)
     with tabs[3]:
         rates = points[points["name"].isin(["rollout/tokens_per_s", "train/tokens_per_s"])]
@@ -75,10 +80,11 @@ def show() -> None:
                 {"step": [s["step"] for s in sync], "value": [(s["end"] - s["start"]) * 1000 for s in sync]}
             )
             st.altair_chart(series_chart(df, "step", "step", "weight update latency (ms)"), width="stretch")
+            mean = summary["weight_sync_mean_s"]
             st.markdown(
-                f"{len(df)} updates: mean **{df['value'].mean():,.1f} ms**, p50 {df['value'].median():,.1f} ms, "
-                f"max {df['value'].max():,.1f} ms; {sync[-1]['num_bytes'] / 1e6:,.2f} MB via "
-                f"`{sync[-1]['attrs'].get('transport', '?')}`."
+                f"{len(df)} updates: mean **{df['value'].mean() if mean is None else mean * 1000:,.1f} ms**, "
+                f"p50 {df['value'].median():,.1f} ms, max {df['value'].max():,.1f} ms; "
+                f"{sync[-1]['num_bytes'] / 1e6:,.2f} MB via `{sync[-1]['attrs'].get('transport', '?')}`."
             )
     with tabs[5]:
         samples = client.samples(job_id, limit=400)

@@ -5,6 +5,7 @@ The launcher is off here (jobs stay queued); launching real jobs is tested in te
 import json
 
 import httpx
+import pytest
 
 from miles_control.store import JobStatus
 from miles_control.store.tokens import revoke_token
@@ -146,6 +147,13 @@ def test_records_and_the_event_stream(api):
     [sample] = api.get(url + "/samples", params={"step": 2}).json()
     assert sample["response"] == "2" and sample["reward"] == 1.0
     assert api.get(url).json()["last_step"] == 3
+    # the one summary: steps 1-3 each [step, step + 1]: wall 3 s, train 3 × 0.5 s, rollout 3 × 0.2 s
+    summary = api.get(url + "/summary").json()
+    assert summary["num_steps"] == 3 and summary["wall_s"] == 3.0
+    assert {st["stage"]: st["total_s"] for st in summary["stages"]} == {"rollout": pytest.approx(0.6), "train": 1.5}
+    assert summary["trainer_busy_s"] == 1.5 and summary["ratio_to_ideal"] == 0.5
+    assert summary["eval_accuracy"] == [[1, 0.1], [2, 0.2], [3, 0.3]]
+    assert api.get("/api/v1/jobs/999999/summary").status_code == 404
     events = api.get(url + "/events").json()
     store.add_event(job_id, "note", "hello", data={"x": 1})
     store.set_status(job_id, JobStatus.SUCCEEDED)
@@ -172,7 +180,7 @@ def test_operation_ids_are_stable(api):
     spec = httpx.get(api.url + "/openapi.json").json()
     ids = sorted(op["operationId"] for path in spec["paths"].values() for op in path.values())
     assert ids == sorted(
-        """cancel_job create_job get_events get_job get_logs get_metrics get_samples get_spans get_steps health
+        """cancel_job create_job get_events get_job get_logs get_metrics get_samples get_spans get_steps get_summary health
         list_attempts list_checkpoints list_jobs list_metric_names list_schedule_changes patch_schedule
         prometheus_metrics resume_job stream_events""".split()
     )

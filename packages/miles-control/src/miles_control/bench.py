@@ -2,7 +2,8 @@
 
 Each schedule runs as its own job (same spec, same seed, `ray.cpu_split` so that rollout and training
 have their own cores) into one SQLite store under the output folder. The report is computed from the
-recorded spans and metrics only:
+recorded spans and metrics only, by `miles_control.summary` (the summary `miles run` prints and the
+dashboard shows):
 
 - throughput: trained samples/s and tokens/s over the loop's wall time (first step start → last end);
 - time per stage: summed span durations;
@@ -17,92 +18,13 @@ recorded spans and metrics only:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from miles_control.config import JobSpec
 from miles_control.store import Store
+from miles_control.summary import RunSummary, summarize
 
 SCHEDULE_TYPES = ("sync", "one_step_off", "fully_async")
-ROLLOUT_STAGES = ("rollout", "reward", "eval")
-TRAINER_STAGES = ("train", "weight_sync")
-
-
-@dataclass
-class RunSummary:
-    schedule: str
-    job_id: int
-    status: str
-    steps: int
-    wall_s: float
-    samples: int
-    tokens: float
-    stage_s: dict[str, float]
-    rollout_busy_s: float
-    trainer_busy_s: float
-    reward_by_step: list[tuple[int, float]]
-    reward_by_wall: list[tuple[float, float]]
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def ideal_wall_s(self) -> float:
-        return max(self.rollout_busy_s, self.trainer_busy_s)
-
-    @property
-    def ratio_to_ideal(self) -> float:
-        return self.ideal_wall_s / self.wall_s if self.wall_s else 0.0
-
-
-def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Length of the union of intervals, clipped to [lo, hi]."""
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
-
-
-def summarize(store: Store, job_id: int, schedule: str, samples_per_step: int) -> RunSummary:
-    steps = store.steps(job_id)
-    if not steps:
-        raise RuntimeError(f"job {job_id} ({schedule}) recorded no steps: {store.job(job_id).error}")
-    lo, hi = steps[0].started_at, steps[-1].ended_at
-    spans = [s for s in store.spans(job_id) if s.step >= 1]
-    stage_s: dict[str, float] = {}
-    for s in spans:
-        stage_s[s.stage] = stage_s.get(s.stage, 0.0) + (s.end - s.start)
-    rollout = [(s.start, s.end) for s in spans if s.stage in ROLLOUT_STAGES]
-    trainer = [(s.start, s.end) for s in spans if s.stage in TRAINER_STAGES]
-    rewards = store.metric_series(job_id, "rollout/reward_mean")
-    step_end = {st.step: st.ended_at - lo for st in steps}
-    tokens = sum(v for _, v in store.metric_series(job_id, "train/num_tokens"))
-    return RunSummary(
-        schedule=schedule,
-        job_id=job_id,
-        status=store.job(job_id).status,
-        steps=len(steps),
-        wall_s=hi - lo,
-        samples=len(steps) * samples_per_step,
-        tokens=tokens,
-        stage_s=stage_s,
-        rollout_busy_s=union_seconds(rollout, lo, hi),
-        trainer_busy_s=union_seconds(trainer, lo, hi),
-        reward_by_step=rewards,
-        reward_by_wall=[(step_end[k], v) for k, v in rewards if k in step_end],
-    )
 
 
 def run_schedules(base: JobSpec, out: Path, on_job=lambda schedule, job_id: None) -> list[RunSummary]:
@@ -112,7 +34,6 @@ def run_schedules(base: JobSpec, out: Path, on_job=lambda schedule, job_id: None
     out.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{out.resolve()}/bench.db"
     store = Store(url)
-    samples_per_step = base.rollout.num_prompts_per_step * base.rollout.num_samples_per_prompt
     summaries = []
     for schedule in SCHEDULE_TYPES:
         data = base.model_dump(mode="json")
@@ -124,7 +45,10 @@ def run_schedules(base: JobSpec, out: Path, on_job=lambda schedule, job_id: None
         spec = JobSpec.model_validate(data)
         job_id = run_job(spec, store=store)
         on_job(schedule, job_id)
-        summaries.append(summarize(store, job_id, schedule, samples_per_step))
+        summary = summarize(store, job_id)
+        if not summary.num_steps:
+            raise RuntimeError(f"job {job_id} ({schedule}) recorded no steps: {store.job(job_id).error}")
+        summaries.append(summary)
     return summaries
 
 
@@ -202,7 +126,7 @@ def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -
                 [
                     s.schedule,
                     s.status,
-                    s.steps,
+                    s.num_steps,
                     s.wall_s,
                     s.samples_per_s,
                     s.tokens_per_s,

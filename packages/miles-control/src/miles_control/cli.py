@@ -211,22 +211,24 @@ def print_summary(store, job_id: int) -> None:
     table = Table(title=f"job {job_id} ({s.status}): {s.num_steps} steps in {s.wall_s:.1f} s")
     for col in ("stage", "spans", "time (s)", "share of wall", "tokens/s"):
         table.add_column(col, justify="left" if col == "stage" else "right")
-    # wait_rollout is the trainer waiting for data: idle time, shown but not counted as work.
-    work = [st for st in s.stages if st.stage != "wait_rollout"]
-    for st in s.stages:
+    for st in s.stages:  # an idle stage (the trainer waiting for data) is shown but not counted as work
         tps = "-" if st.tokens_per_s is None else f"{st.tokens_per_s:,.0f}"
-        name = st.stage if st in work else f"[dim]{st.stage} (trainer idle)[/]"
+        name = f"[dim]{st.stage} (trainer idle)[/]" if st.idle else st.stage
         table.add_row(name, str(st.count), f"{st.total_s:.2f}", f"{st.share_of_wall:.1%}", tps)
-    overlapping = sum(st.total_s for st in work) > s.wall_s * 1.01
-    if s.wall_s > 0 and not overlapping:  # what no stage accounts for: driver, Ray calls, store writes
-        other = s.wall_s - sum(st.total_s for st in work)
+    if s.wall_s > 0 and not s.overlapping:  # what no stage accounts for: driver, Ray calls, store writes
+        other = max(0.0, s.wall_s - s.work_s)
         table.add_row("[dim]other[/]", "", f"{other:.2f}", f"{other / s.wall_s:.1%}", "")
     out.print(table)
-    if overlapping:
+    if s.overlapping:
         out.print("stages overlapped (asynchronous schedule): their shares add up to more than 100 %")
+    if s.wall_s > 0:
+        out.print(
+            f"busy: rollout {s.rollout_busy_s:.1f} s, trainer {s.trainer_busy_s:.1f} s; "
+            f"achieved / ideal overlap bound {s.ratio_to_ideal:.2f}"
+        )
     if s.weight_sync_s:
         out.print(
-            f"weight update latency: mean {sum(s.weight_sync_s) / len(s.weight_sync_s) * 1000:.1f} ms, "
+            f"weight update latency: mean {s.weight_sync_mean_s * 1000:.1f} ms, "
             f"p50 {s.percentile_sync(0.5) * 1000:.1f} ms, max {max(s.weight_sync_s) * 1000:.1f} ms"
         )
     if s.eval_accuracy:

@@ -1,12 +1,31 @@
-"""Summaries of a finished run, read back from the store: time per stage, throughput, sync latency."""
+"""The one summary of a run, read back from the store: time per stage, throughput, busy and idle time per
+component, the ideal-overlap bound, weight-update latency, reward and accuracy curves.
+
+`miles run` prints it, `miles bench schedules` reports it side by side, and the API serves it
+(`GET /api/v1/jobs/{id}/summary`) to the dashboard, so that the three cannot show different numbers.
+
+Definitions:
+
+- the loop's wall time runs from the first step's start to the last step's end; the spans counted are
+  those of steps ≥ 1 (step 0 is the evaluation before training and a restore), clipped to that window;
+- a stage's share is its summed span time over the wall time; in an asynchronous schedule stages overlap
+  and the shares add up to more than 1;
+- `wait_rollout` is the trainer waiting for data: idle time, reported but not counted as work;
+- busy time per component is the union of its spans (rollout actor: rollout, reward, eval; trainer:
+  train, weight_sync); with perfect overlap a loop costs its busier component, so
+  `ideal_wall_s = max(rollout busy, trainer busy)` and `ratio_to_ideal` = ideal / achieved (≤ 1).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from miles_control.store import Store
 
-STAGE_ORDER = ("rollout", "reward", "train", "weight_sync", "eval")
+STAGE_ORDER = ("rollout", "reward", "train", "weight_sync", "eval", "wait_rollout")
+ROLLOUT_STAGES = ("rollout", "reward", "eval")
+TRAINER_STAGES = ("train", "weight_sync")
+IDLE_STAGES = ("wait_rollout",)
 
 
 @dataclass
@@ -16,6 +35,7 @@ class StageSummary:
     total_s: float
     share_of_wall: float
     num_tokens: int
+    idle: bool = False  # time a component spent waiting, not working
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -26,11 +46,52 @@ class StageSummary:
 class RunSummary:
     job_id: int
     status: str
+    schedule: str
     num_steps: int
     wall_s: float
+    samples: int  # trained: steps × prompts per step × samples per prompt
+    tokens: float  # trained response tokens (train/num_tokens summed)
     stages: list[StageSummary] = field(default_factory=list)
+    rollout_busy_s: float = 0.0
+    trainer_busy_s: float = 0.0
     weight_sync_s: list[float] = field(default_factory=list)
     eval_accuracy: list[tuple[int, float]] = field(default_factory=list)
+    reward_by_step: list[tuple[int, float]] = field(default_factory=list)
+    reward_by_wall: list[tuple[float, float]] = field(default_factory=list)  # seconds since the first step
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def ideal_wall_s(self) -> float:
+        return max(self.rollout_busy_s, self.trainer_busy_s)
+
+    @property
+    def ratio_to_ideal(self) -> float:
+        return self.ideal_wall_s / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def stage_s(self) -> dict[str, float]:
+        return {st.stage: st.total_s for st in self.stages}
+
+    @property
+    def work_s(self) -> float:
+        """Summed time of the stages that are work (not waiting)."""
+        return sum(st.total_s for st in self.stages if not st.idle)
+
+    @property
+    def overlapping(self) -> bool:
+        """The stages ran concurrently (their time adds up to more than the wall time)."""
+        return self.work_s > self.wall_s * 1.01
+
+    @property
+    def weight_sync_mean_s(self) -> float | None:
+        return sum(self.weight_sync_s) / len(self.weight_sync_s) if self.weight_sync_s else None
 
     def percentile_sync(self, q: float) -> float:
         values = sorted(self.weight_sync_s)
@@ -38,27 +99,72 @@ class RunSummary:
             return float("nan")
         return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
+    def to_dict(self) -> dict:
+        """Fields and derived numbers, as the API serves them."""
+        data = asdict(self)
+        for st, out in zip(self.stages, data["stages"], strict=True):
+            out["tokens_per_s"] = st.tokens_per_s
+        for name in ("samples_per_s", "tokens_per_s", "ideal_wall_s", "ratio_to_ideal", "weight_sync_mean_s"):
+            data[name] = getattr(self, name)
+        return data
+
+
+def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of intervals, clipped to [lo, hi]."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
 
 def summarize(store: Store, job_id: int) -> RunSummary:
+    """The summary of job `job_id` as the store holds it now (a running job: the steps so far)."""
     job = store.job(job_id)
-    spans = store.spans(job_id)
-    steps = store.steps(job_id)
-    wall = (max(s.end for s in spans) - min(s.start for s in spans)) if spans else 0.0
-    stages = []
+    spec = job.spec or {}
+    rollout = spec.get("rollout", {})
+    samples_per_step = int(rollout.get("num_prompts_per_step", 0)) * int(rollout.get("num_samples_per_prompt", 0))
+    steps = [s for s in store.steps(job_id) if s.ended_at is not None]
+    summary = RunSummary(
+        job_id=job_id,
+        status=job.status,
+        schedule=str(spec.get("schedule", {}).get("type", "")),
+        num_steps=len(steps),
+        wall_s=0.0,
+        samples=len(steps) * samples_per_step,
+        tokens=sum(v for _, v in store.metric_series(job_id, "train/num_tokens")),
+        eval_accuracy=store.metric_series(job_id, "eval/accuracy"),
+    )
+    if not steps:
+        return summary
+    lo, hi = steps[0].started_at, steps[-1].ended_at
+    spans = [s for s in store.spans(job_id) if s.step >= 1 and s.end > lo and s.start < hi]
+    summary.wall_s = hi - lo
     names = [s for s in STAGE_ORDER if any(sp.stage == s for sp in spans)]
     names += sorted({sp.stage for sp in spans} - set(names))
     for name in names:
         mine = [sp for sp in spans if sp.stage == name]
-        total = sum(sp.duration for sp in mine)
-        stages.append(
-            StageSummary(name, len(mine), total, total / wall if wall else 0.0, sum(sp.num_tokens for sp in mine))
+        total = sum(min(sp.end, hi) - max(sp.start, lo) for sp in mine)
+        summary.stages.append(
+            StageSummary(
+                name,
+                len(mine),
+                total,
+                total / summary.wall_s if summary.wall_s else 0.0,
+                sum(sp.num_tokens for sp in mine),
+                idle=name in IDLE_STAGES,
+            )
         )
-    return RunSummary(
-        job_id=job_id,
-        status=job.status,
-        num_steps=len(steps),
-        wall_s=wall,
-        stages=stages,
-        weight_sync_s=[sp.duration for sp in spans if sp.stage == "weight_sync"],
-        eval_accuracy=store.metric_series(job_id, "eval/accuracy"),
-    )
+    summary.rollout_busy_s = union_seconds([(s.start, s.end) for s in spans if s.stage in ROLLOUT_STAGES], lo, hi)
+    summary.trainer_busy_s = union_seconds([(s.start, s.end) for s in spans if s.stage in TRAINER_STAGES], lo, hi)
+    summary.weight_sync_s = [sp.end - sp.start for sp in spans if sp.stage == "weight_sync"]
+    summary.reward_by_step = store.metric_series(job_id, "rollout/reward_mean")
+    step_end = {st.step: st.ended_at - lo for st in steps}
+    summary.reward_by_wall = [(step_end[k], v) for k, v in summary.reward_by_step if k in step_end]
+    return summary

@@ -24,6 +24,7 @@ from miles_control.api.schemas import (
     JobPage,
     JobPublic,
     MetricPoint,
+    RunSummaryPublic,
     SamplePublic,
     ScheduleChangePublic,
     SchedulePatch,
@@ -205,6 +206,19 @@ def get_spans(
 ) -> Response:
     store = _store(request)
     return _records(store, job_id, SpanPublic, store.spans(job_id, stage, step_min, step_max))
+
+
+@router.get(
+    "/{job_id}/summary",
+    response_model=RunSummaryPublic,
+    summary="Time per stage, throughput, busy time, the ideal-overlap bound, weight-update latency",
+)
+def get_summary(job_id: JobId, request: Request, _: ReadToken) -> dict:
+    from miles_control.summary import summarize
+
+    store = _store(request)
+    _job(store, job_id)
+    return summarize(store, job_id).to_dict()
 
 
 @router.get("/{job_id}/steps", response_model=list[StepPublic])

@@ -128,6 +128,42 @@ class SpanPublic(_Out):
     attrs: dict[str, Any]
 
 
+class StageSummaryPublic(BaseModel):
+    stage: str
+    count: int
+    total_s: float
+    share_of_wall: float = Field(
+        description="Summed span time over the loop's wall time; overlapping stages add up to > 1."
+    )
+    num_tokens: int
+    idle: bool = Field(description="Time a component spent waiting (wait_rollout), not working.")
+    tokens_per_s: float | None
+
+
+class RunSummaryPublic(BaseModel):
+    """The summary `miles run` prints and `miles bench schedules` reports (miles_control.summary)."""
+
+    job_id: int
+    status: str
+    schedule: str
+    num_steps: int
+    wall_s: float = Field(description="First step's start to last step's end.")
+    samples: int
+    tokens: float
+    stages: list[StageSummaryPublic]
+    rollout_busy_s: float
+    trainer_busy_s: float
+    weight_sync_s: list[float]
+    eval_accuracy: list[tuple[int, float]]
+    reward_by_step: list[tuple[int, float]]
+    reward_by_wall: list[tuple[float, float]]
+    samples_per_s: float
+    tokens_per_s: float
+    ideal_wall_s: float = Field(description="max(rollout busy, trainer busy): the wall time of a perfect overlap.")
+    ratio_to_ideal: float = Field(description="ideal_wall_s / wall_s (1 = perfect overlap).")
+    weight_sync_mean_s: float | None
+
+
 class StepPublic(_Out):
     step: int
     weight_version: int
