@@ -41,17 +41,22 @@ def test_weight_update_bench_covers_every_transport(tmp_path):
     rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| 4 MB")]
     assert sorted(r[1].strip() for r in rows) == ["broadcast", "disk", "tensor"]
     for row in rows:
-        latency, memcpy, ratio = (float(row[i].replace(",", "")) for i in (3, 6, 7))
-        assert latency > 0 and memcpy > 0 and ratio > 0
+        latency, publish, memcpy, ratio = (float(row[i].replace(",", "")) for i in (3, 4, 6, 7))
+        assert latency > 0 and memcpy > 0 and 0 <= publish <= latency, row
+        assert ratio == pytest.approx(latency / memcpy, rel=0.02), row  # the ratio is of the numbers shown
 
 
 def test_trainer_bench_reports_every_backend_against_the_plain_loop(tmp_path):
     report = run_bench("trainer_throughput.py", tmp_path, needs_sglang=False)
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in report.splitlines() if line.startswith("| ")}
     expected = ["plain PyTorch loop", "fsdp2", "megatron", "torchtitan", "fsdp2 ×2 ranks", "megatron TP=2"]
+    plain_ms, plain_tokens_per_s = (float(v.replace(",", "")) for v in rows["plain PyTorch loop"][1:3])
     for name in [*expected, "torchtitan TP=2"]:
         step_ms, tokens_per_s, ratio = (float(v.replace(",", "")) for v in rows[name][1:4])
-        assert step_ms > 0 and tokens_per_s > 0 and ratio > 0, name
+        assert step_ms > 0, name
+        # one batch per step for every row, and the ratio against the plain loop of the same run
+        assert tokens_per_s * step_ms == pytest.approx(plain_tokens_per_s * plain_ms, rel=0.02), name
+        assert ratio == pytest.approx(plain_ms / step_ms, rel=0.02), name
     assert float(rows["plain PyTorch loop"][3]) == 1
     assert re.search(r"fsdp2 / plain loop: \*\*\d+\.\d+\*\*", report)
 

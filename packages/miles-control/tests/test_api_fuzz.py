@@ -27,7 +27,7 @@ def test_no_input_makes_the_server_fail(api):
             "--max-examples",
             str(MAX_EXAMPLES),
             "--seed",
-            "7",
+            SEED,
             "--phases",
             "coverage,fuzzing,stateful",
             "--exclude-operation-id",

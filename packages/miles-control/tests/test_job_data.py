@@ -25,5 +25,12 @@ def test_file_source_errors(tmp_path):
 
 
 def test_arithmetic_source_is_seeded():
+    """The same seed gives the same prompts (a resumed or repeated job trains on what the first saw); another
+    seed gives others; held-out prompts are never training prompts."""
     config = DataConfig(num_train=200, num_eval=20, seed=4)
-    assert load_job_prompts(config) == load_job_prompts(config)
+    train, held_out = load_job_prompts(config)
+    assert (train, held_out) == load_job_prompts(DataConfig(num_train=200, num_eval=20, seed=4))
+    assert 190 <= len(train) <= 200 and len(held_out) == 20  # training prompts equal to a held-out one are left out
+    assert not {r.prompt for r in train} & {r.prompt for r in held_out}
+    other, _ = load_job_prompts(DataConfig(num_train=200, num_eval=20, seed=5))
+    assert [r.prompt for r in other] != [r.prompt for r in train]

@@ -91,10 +91,13 @@ class GRPOConfig(_Strict):
     staleness: Literal["none", "decay", "drop"] = Field(
         "none",
         description="Staleness-aware weighting of off-policy samples: decay multiplies a sample's loss by "
-        "staleness_decay ** staleness; drop zeroes samples older than staleness_max.",
+        "staleness_decay ** staleness; drop zeroes samples older than drop_older_than. "
+        "(Which samples reach the trainer at all is schedule.max_staleness.)",
     )
     staleness_decay: float = Field(0.5, gt=0, le=1)
-    staleness_max: int = Field(1, ge=0, description="staleness: drop keeps samples at most this many versions old.")
+    drop_older_than: int = Field(
+        1, ge=0, description="staleness: drop gives zero weight to samples more than this many versions old."
+    )
 
     @model_validator(mode="after")
     def _tis_needs_recompute(self) -> GRPOConfig:

@@ -191,7 +191,7 @@ class GRPOBackend:
         sums = dict.fromkeys(METRIC_SUMS, 0.0)
         tis_max = 0.0
         ages = batch.staleness if batch.staleness is not None else [0] * len(batch)
-        sample_weights = staleness_weights(ages, grpo.staleness, grpo.staleness_decay, grpo.staleness_max)
+        sample_weights = staleness_weights(ages, grpo.staleness, grpo.staleness_decay, grpo.drop_older_than)
         grad_norms = []
         # The ratio's denominator is the policy the engines ran: the weights as pushed, whatever the forward uses.
         old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
