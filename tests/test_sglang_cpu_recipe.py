@@ -9,11 +9,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from miles_rollout.engines.sglang.server import cpu_shim_path
+
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 sglang = pytest.importorskip("sglang", reason="SGLang is not installed")
 
@@ -42,7 +42,7 @@ def model_dir():
 def server(model_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("sglang") / "server.log"
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(ROOT / "infra" / "cpu" / "sglang_shim")}
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(cpu_shim_path())}
     args = [
         sys.executable,
         "-m",

@@ -22,17 +22,15 @@ class EngineStartError(RuntimeError):
 
 
 def cpu_shim_path() -> Path:
-    """Where the CPU-only `sgl_kernel` import shim lives (infra/cpu/sglang_shim of the repository)."""
-    if os.environ.get(SHIM_ENV):
-        return Path(os.environ[SHIM_ENV])
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "infra" / "cpu" / "sglang_shim"
-        if candidate.is_dir():
-            return candidate
-    raise EngineStartError(
-        f"sglang on CPU needs the sgl_kernel import shim: set {SHIM_ENV} to the folder infra/cpu/sglang_shim "
-        "of the Miles repository"
-    )
+    """The folder to put on the server's PYTHONPATH for the CPU-only `sgl_kernel` import shim: shipped with
+    this package (`cpu_shim/`, package data), or wherever MILES_SGLANG_CPU_SHIM points."""
+    path = Path(os.environ.get(SHIM_ENV) or Path(__file__).with_name("cpu_shim"))
+    if not (path / "sgl_kernel" / "__init__.py").is_file():
+        raise EngineStartError(
+            f"sglang on CPU needs the sgl_kernel import shim: {path}/sgl_kernel/__init__.py is missing "
+            f"({SHIM_ENV} overrides where it is looked for)"
+        )
+    return path
 
 
 def use_cpu(config: SGLangEngineConfig) -> bool:

@@ -1,0 +1,124 @@
+"""miles-rollout and miles-train each work alone, outside this repository: the examples of
+`examples/standalone/` run in a fresh venv that holds only that package (built and installed as a
+wheel, not from the source tree), miles-sync, and their declared dependencies.
+
+The venv is made without copying gigabytes: its site-packages links the files of exactly the
+distributions the package requires (transitively, from their installed metadata) from the project's
+environment. Anything undeclared (Ray, miles-control, the other package) is absent, so an import of it
+fails the example, and the example runs from a folder outside the repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def closure(names: list[str]) -> set[str]:
+    """The distributions `names` require, transitively (no extras), by their installed metadata."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        for spec in metadata.distribution(name).requires or []:
+            requirement = Requirement(spec)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return seen
+
+
+def link_distributions(names: set[str], site: Path) -> None:
+    """Symlink every top-level entry (packages, modules, .dist-info) of each distribution into `site`."""
+    for name in names:
+        dist = metadata.distribution(name)
+        base = Path(dist.locate_file(""))
+        for entry in {Path(str(f)).parts[0] for f in dist.files or []}:
+            source, target = base / entry, site / entry
+            if source.exists() and not target.exists() and not entry.startswith(".."):
+                target.symlink_to(source)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random two-layer Llama with tied embeddings and the arithmetic character tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from miles_rollout.tasks.arithmetic import build_char_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("package", "example", "expect"),
+    [
+        ("miles-rollout", "rollout_alone.py", r"samples: 8 in 2 groups"),
+        ("miles-train", "train_alone.py", r"exported \d+ tensors, e\.g\. model\."),
+    ],
+)
+def test_a_package_alone_runs_its_example_outside_the_repository(tmp_path, tiny_model, package, example, expect):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
+         str(ROOT / "packages" / "miles-sync"), str(ROOT / "packages" / package)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True, capture_output=True, text=True,
+        ).stdout.strip()
+    )  # fmt: skip
+    ours = {"miles-sync", package}
+    link_distributions(closure([package]) - ours, site)
+    # Install the two wheels with this environment's pip into the venv's site-packages (non-editable copies).
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site),
+         *map(str, sorted(wheels.glob("*.whl")))],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    probe = subprocess.run(
+        [str(python), "-c", "import importlib.util as u, json; print(json.dumps({m: (u.find_spec(m) or None) and "
+         "u.find_spec(m).origin for m in ('miles_control', 'miles_train', 'miles_rollout', 'miles_sync', 'ray')}))"],
+        cwd=outside, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    found = {name: origin for name, origin in json.loads(probe.stdout).items() if origin}
+    own = package.replace("-", "_")
+    assert sorted(found) == sorted({own, "miles_sync"}), found  # no Ray, no miles-control, not the other package
+    assert all(origin.startswith(str(site)) for origin in found.values()), found  # the wheels, not the source tree
+    result = subprocess.run(
+        [str(python), str(ROOT / "examples" / "standalone" / example), str(tiny_model)],
+        cwd=outside, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    print(result.stdout)
+    assert re.search(expect, result.stdout), result.stdout
