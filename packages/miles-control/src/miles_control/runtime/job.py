@@ -11,7 +11,16 @@ from typing import Any
 from miles_control.config import JobSpec, RayConfig
 from miles_control.convert import rollout_metrics, staleness_metrics, to_train_batch
 from miles_control.recorder import Recorder
-from miles_control.runtime.workers import RolloutWorker, TrainerWorker, free_port_and_ip
+from miles_control.runtime.workers import (
+    Evaluated,
+    Published,
+    Received,
+    RolloutWorker,
+    TakenBatch,
+    TrainerWorker,
+    TrainResult,
+    free_port_and_ip,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +109,26 @@ class TrainerGroup:
             for rank in range(world_size)
         ]
 
-    def call(self, method: str, *args: Any) -> Any:
+    def _on_every_rank(self, call: Any) -> Any:
+        """`call(rank)` returns an ObjectRef; all ranks run it (collectives inside), rank 0's answer is returned."""
         import ray
 
-        return ray.get([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
+        return ray.get([call(rank) for rank in self.ranks])[0]
+
+    def train_step(self, batch: Any) -> TrainResult:
+        return self._on_every_rank(lambda rank: rank.train_step.remote(batch))
+
+    def publish_weights(self, weight_version: int) -> Published:
+        return self._on_every_rank(lambda rank: rank.publish_weights.remote(weight_version))
+
+    def wait_published(self) -> None:
+        self._on_every_rank(lambda rank: rank.wait_published.remote())
+
+    def save(self, directory: Path) -> None:
+        self._on_every_rank(lambda rank: rank.save.remote(str(directory)))
+
+    def load(self, directory: Path) -> None:
+        self._on_every_rank(lambda rank: rank.load.remote(str(directory)))
 
     def shutdown(self) -> None:
         import ray
@@ -205,16 +230,16 @@ class JobRuntime:
     def take(self, step: int, num_groups: int, trainer_version: int, max_staleness: int, policy: str):
         import ray
 
-        batch, staleness, info = ray.get(
+        taken: TakenBatch = ray.get(
             self.rollout.take.remote(num_groups, trainer_version, max_staleness, policy, 1800.0)
         )
-        self._record_batch(step, batch)
-        metrics = rollout_metrics(batch)
-        metrics |= staleness_metrics(staleness)
-        metrics["async/dropped_groups"] = float(info["dropped"])
-        metrics["async/regenerated_groups"] = float(info["regenerated"])
-        metrics["async/buffered_groups"] = float(info["buffered"])
-        return batch, staleness, metrics
+        self._record_batch(step, taken.batch)
+        metrics = rollout_metrics(taken.batch)
+        metrics |= staleness_metrics(taken.staleness)
+        metrics["async/dropped_groups"] = float(taken.dropped)
+        metrics["async/regenerated_groups"] = float(taken.regenerated)
+        metrics["async/buffered_groups"] = float(taken.buffered)
+        return taken.batch, taken.staleness, metrics
 
     def resize_buffer(self, capacity: int) -> None:
         import ray
@@ -229,17 +254,17 @@ class JobRuntime:
     def evaluate_async(self):
         return self.rollout.evaluate.remote()
 
-    def record_eval(self, step: int, result) -> dict[str, float]:
-        metrics, start, end = result
-        self.recorder.span("eval", step, "rollout-0", start, end)
-        return metrics
+    def record_eval(self, step: int, result: Evaluated) -> dict[str, float]:
+        self.recorder.span("eval", step, "rollout-0", result.start, result.end)
+        return result.metrics
 
     def train(self, step: int, batch, staleness: list[int] | None = None) -> dict[str, float]:
         train_batch = to_train_batch(batch, staleness)
-        metrics, start, end = self.trainer.call("train_step", train_batch)
+        result = self.trainer.train_step(train_batch)
+        metrics = result.metrics
         num_tokens = int(metrics["train/num_tokens"])
-        self.recorder.span("train", step, "trainer", start, end, num_tokens=num_tokens)
-        metrics["train/tokens_per_s"] = num_tokens / max(end - start, 1e-9)
+        self.recorder.span("train", step, "trainer", result.start, result.end, num_tokens=num_tokens)
+        metrics["train/tokens_per_s"] = num_tokens / max(result.end - result.start, 1e-9)
         self._warn_if_update_lost(step, metrics.get("train/update_kept_frac"))
         return metrics
 
@@ -266,10 +291,13 @@ class JobRuntime:
         import ray
 
         version = self.weight_version + 1 if version is None else version
-        handle, start, exported = self.trainer.call("publish_weights", version)
-        engine_fp, engine_version, _, end = ray.get(self.rollout.receive_weights.remote(handle, pause_mode))
-        self.trainer.call("wait_published")
-        self.weight_version = engine_version
+        published = self.trainer.publish_weights(version)
+        handle, start = published.handle, published.start
+        assert handle is not None  # rank 0 publishes
+        received: Received = ray.get(self.rollout.receive_weights.remote(handle, pause_mode))
+        self.trainer.wait_published()
+        self.weight_version = received.weight_version
+        engine_fp, end = received.fingerprint, received.end
         match = engine_fp == handle.fingerprint
         self.recorder.span(
             "weight_sync",
@@ -282,7 +310,7 @@ class JobRuntime:
             weight_version=version,
             trainer_fingerprint=handle.fingerprint,
             engine_fingerprint=engine_fp,
-            export_s=exported - start,
+            export_s=published.end - start,
             num_buckets=handle.num_buckets,
             pause_mode=pause_mode,
         )
@@ -301,12 +329,10 @@ class JobRuntime:
     def evaluate(self, step: int) -> dict[str, float]:
         import ray
 
-        metrics, start, end = ray.get(self.rollout.evaluate.remote())
-        self.recorder.span("eval", step, "rollout-0", start, end)
-        return metrics
+        return self.record_eval(step, ray.get(self.rollout.evaluate.remote()))
 
     def save(self, directory: Path) -> None:
-        self.trainer.call("save", str(directory))
+        self.trainer.save(directory)
 
     def checkpoint_if_due(self, step: int) -> None:
         every = self.spec.schedule.checkpoint_every
@@ -327,7 +353,7 @@ class JobRuntime:
         import ray
 
         start = time.time()
-        self.trainer.call("load", str(directory))
+        self.trainer.load(directory)
         # The prompts of steps 1..step were trained on already (fully_async: about that many).
         ray.get(self.rollout.skip_prompts.remote(step * self.spec.rollout.num_prompts_per_step))
         self.recorder.span("restore", step, "trainer", start, time.time())

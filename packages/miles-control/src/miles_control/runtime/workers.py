@@ -7,10 +7,57 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_sync import WeightHandle
+
+if TYPE_CHECKING:
+    from miles_control.schedules.buffer import StalenessBuffer
+
+
+# ---- what the actors answer (typed: callers read fields, not tuple positions) -------------------------
+
+
+@dataclass
+class Timed:
+    """When a call's work started and ended on the actor (unix seconds): the span the runtime records."""
+
+    start: float
+    end: float
+
+
+@dataclass
+class TrainResult(Timed):
+    metrics: dict[str, float]
+
+
+@dataclass
+class Published(Timed):
+    handle: WeightHandle | None  # rank 0's; None on the other ranks (the span: export and publish)
+
+
+@dataclass
+class Received(Timed):
+    fingerprint: str  # of the weights the engine holds now
+    weight_version: int
+
+
+@dataclass
+class Evaluated(Timed):
+    metrics: dict[str, float]
+
+
+@dataclass
+class TakenBatch:
+    """`take`'s answer: fresh groups as one batch, each sample's staleness, and what was discarded."""
+
+    batch: Any
+    staleness: list[int]
+    dropped: int
+    regenerated: int
+    buffered: int
 
 
 def free_port_and_ip() -> tuple[str, int]:
@@ -70,12 +117,12 @@ class TrainerWorker:
             sync: SyncConfig = job.sync.model_copy(update={"dir": job.sync.dir or weights_dir})
             self.sender = build_sender(sync, num_receivers=num_receivers)
 
-    def train_step(self, batch) -> tuple[dict[str, float], float, float]:
+    def train_step(self, batch) -> TrainResult:
         start = time.time()
         metrics = self.backend.train_step(batch)
-        return metrics, start, time.time()
+        return TrainResult(start, time.time(), metrics)
 
-    def publish_weights(self, weight_version: int) -> tuple[WeightHandle | None, float, float]:
+    def publish_weights(self, weight_version: int) -> Published:
         """Gather full weights (collective on every rank) and publish them from rank 0."""
         start = time.time()
         named = self.backend.export_weights()
@@ -85,7 +132,7 @@ class TrainerWorker:
         else:
             for _ in named:  # drive the collective on non-zero ranks
                 pass
-        return handle, start, time.time()
+        return Published(start, time.time(), handle)
 
     def wait_published(self) -> None:
         """Transports that send in the background (broadcast) finish here and report their errors."""
@@ -135,6 +182,15 @@ class RolloutWorker:
         self.manager = RolloutManager(self.engine, tokenizer, job.rollout, encoder)
         self.stream = PromptStream(train_prompts, seed=job.seed)
         self.eval_prompts = eval_prompts[: job.rollout.eval.num_prompts]
+        # fully_async's continuous generation (start_stream): the buffer, and what the thread hands to take()
+        self.buffer: StalenessBuffer | None = None
+        self._thread: threading.Thread | None = None
+        self._running = threading.Event()
+        self._regenerate: list = []  # prompts of groups dropped for staleness under stale_policy: regenerate
+        self._timings: list = []
+        self._sampling = None  # of the generated batches: the taken batch says how its samples were sampled
+        self._stream_error: BaseException | None = None
+        self._next_group = 0
 
     def broadcast_ranks(self) -> int:
         return self.engine.broadcast_ranks
@@ -154,20 +210,17 @@ class RolloutWorker:
         """Generate continuously, `chunk_prompts` prompts per call, into a buffer of `capacity` groups."""
         from miles_control.schedules.buffer import StalenessBuffer
 
+        if self._thread is not None:
+            raise RuntimeError("start_stream: the stream already runs")
         self.buffer = StalenessBuffer(capacity)
-        self._regenerate: list = []
-        self._timings: list = []
-        self._sampling = None  # of the generated batches: the taken batch says how its samples were sampled
-        self._stream_error: BaseException | None = None
-        self._running = threading.Event()
         self._running.set()
-        self._next_group = 0
         self._thread = threading.Thread(target=self._stream, args=(chunk_prompts,), daemon=True, name="rollout")
         self._thread.start()
 
     def _stream(self, chunk_prompts: int) -> None:
         from miles_control.schedules.buffer import Group
 
+        assert self.buffer is not None
         try:
             while self._running.is_set():
                 take = min(chunk_prompts, len(self._regenerate))
@@ -188,10 +241,14 @@ class RolloutWorker:
         except BaseException as exc:  # reported to the trainer by take()
             self._stream_error = exc
 
-    def take(self, num_groups: int, trainer_version: int, max_staleness: int, policy: str, timeout_s: float):
+    def take(
+        self, num_groups: int, trainer_version: int, max_staleness: int, policy: str, timeout_s: float
+    ) -> TakenBatch:
         """`num_groups` fresh groups as one RolloutBatch, their staleness per sample, and what was discarded."""
         from miles_rollout.types import RolloutBatch, StageTiming
 
+        if self.buffer is None:
+            raise RuntimeError("take: start_stream first")
         start = time.time()
         taken = self.buffer.take(num_groups, trainer_version, max_staleness, policy, timeout=0.0)
         groups = list(taken.groups)
@@ -217,23 +274,25 @@ class RolloutWorker:
         batch = RolloutBatch(
             samples, timings=[*timings, StageTiming("wait_rollout", start, time.time())], sampling=self._sampling
         )
-        return batch, staleness, {"dropped": dropped, "regenerated": regenerate, "buffered": len(self.buffer)}
+        return TakenBatch(batch, staleness, dropped, regenerate, len(self.buffer))
 
     def resize_buffer(self, capacity: int) -> None:
+        if self.buffer is None:
+            raise RuntimeError("resize_buffer: start_stream first")
         self.buffer.resize(capacity)
 
     def stop_stream(self) -> None:
-        if getattr(self, "_thread", None) is not None:
+        if self._thread is not None:
             self._running.clear()
             self._thread.join(timeout=120)
             self._thread = None
 
-    def evaluate(self) -> tuple[dict[str, float], float, float]:
+    def evaluate(self) -> Evaluated:
         start = time.time()
         metrics = asyncio.run(self.manager.evaluate(self.eval_prompts, self.config.eval.temperature))
-        return metrics, start, time.time()
+        return Evaluated(start, time.time(), metrics)
 
-    def receive_weights(self, handle: WeightHandle, pause_mode: str = "in_place") -> tuple[str, int, float, float]:
+    def receive_weights(self, handle: WeightHandle, pause_mode: str = "in_place") -> Received:
         """pause → load (bucketed) → take the new version → resume. Returns the engine's fingerprint."""
         start = time.time()
 
@@ -245,7 +304,7 @@ class RolloutWorker:
                 await self.engine.resume()
 
         fingerprint = asyncio.run(push())
-        return fingerprint, self.engine.weight_version, start, time.time()
+        return Received(start, time.time(), fingerprint, self.engine.weight_version)
 
     def shutdown(self) -> None:
         self.stop_stream()
