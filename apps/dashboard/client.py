@@ -78,6 +78,20 @@ class Api:
         params = {k: v for k, v in (("step_min", step_min), ("step_max", step_max)) if v is not None}
         return self._call("GET", f"/jobs/{job_id}/spans", params=params)
 
+    def choices(self, schema: str, field: str) -> list[str]:
+        """The values the API accepts for `field` of a request `schema`, from its OpenAPI document (so the
+        dashboard never spells them itself)."""
+        try:
+            response = self.http.get(f"{self.url}/openapi.json")
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ApiError(None, f"cannot read the API's schema at {self.url} ({type(exc).__name__})") from None
+        spec = response.json()["components"]["schemas"][schema]["properties"][field]
+        for option in [spec, *spec.get("anyOf", [])]:
+            if "enum" in option:
+                return list(option["enum"])
+        raise ApiError(None, f"the API's {schema}.{field} has no enumerated values")
+
     def summary(self, job_id: int) -> dict:
         """miles_control.summary.RunSummary as the API serves it (what `miles run` prints)."""
         return self._call("GET", f"/jobs/{job_id}/summary")

@@ -27,7 +27,7 @@ with st.form("schedule"):
     a, b = st.columns(2)
     interval = a.number_input("update_weights_interval", min_value=1, value=int(current["update_weights_interval"]))
     staleness = b.number_input("max_staleness", min_value=0, value=int(current["max_staleness"]))
-    modes = ["in_place", "retract", "abort"]
+    modes = client.choices("SchedulePatch", "pause_mode")
     mode = a.selectbox("pause_mode", modes, index=modes.index(current["pause_mode"]))
     buffer = b.number_input(
         "buffer_groups (0 = two steps' worth)", min_value=0, value=int(current["buffer_groups"] or 0)

@@ -82,7 +82,7 @@ def test_bad_input_gets_4xx_naming_the_problem(api):
     assert "unknown reward 'os:system'" in policy({"rollout": {"reward": "os:system"}})["body.spec.rollout.reward"]
     extra = policy({"rollout": {"engine": {"type": "sglang", "extra_args": ["--model-path", "/"]}}})
     assert "not accepted" in extra["body.spec.rollout.engine.extra_args"]
-    assert "reserves 9 CPUs" in policy({"train": {"backend": {"world_size": 17}}})["body.spec.ray"]
+    assert "reserves 9 CPUs" in policy({"train": {"backend": {"type": "fsdp2", "world_size": 17}}})["body.spec.ray"]
     urls = policy({"rollout": {"engine": {"type": "sglang", "urls": ["http://169.254.169.254"]}}})
     assert "not accepted" in urls["body.spec.rollout.engine.urls"]
     assert "leave it out" in policy({"sync": {"dir": "runs"}})["body.spec.sync.dir"]

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from miles_control.store import Store
+from miles_control.store import JobStatus, Store
 
 MILES = [sys.executable, "-m", "miles_control.cli"]
 
@@ -94,11 +94,21 @@ def test_schedule_set_queues_live_changes_and_refuses_others(tmp_path):
     [change] = store.pending_schedule_changes(job)
     assert change.patch == {"update_weights_interval": 2, "pause_mode": "retract"}  # typed values
 
-    bad = schedule_set(str(job), "num_steps=5", "max_staleness")
-    assert bad.returncode == 2
-    assert (
-        "num_steps: not a live schedule field" in bad.stderr and "'max_staleness': expected field=value" in bad.stderr
-    )
+    bad = schedule_set(str(job), "max_staleness")
+    assert bad.returncode == 2 and "'max_staleness': expected field=value" in bad.stderr
+    # the API's own check (miles_control.schedules.control.queue_schedule_change): live fields only, ...
+    bad = schedule_set(str(job), "num_steps=5")
+    assert bad.returncode == 2 and "num_steps: not a live schedule field" in bad.stderr
+    # ... a schedule still valid once patched, ...
+    fully_async = store.create_job("f", {"schedule": {"type": "fully_async", "update_weights_interval": 1}})
+    bad = schedule_set(str(fully_async), "update_weights_interval=4")
+    assert bad.returncode == 2 and "max_staleness 1 < update_weights_interval - 1 = 3" in bad.stderr, bad.stderr
+    assert bad.stderr.count("error:") == 1
+    # ... and an active job
+    store.set_status(fully_async, JobStatus.CANCELLED)
+    bad = schedule_set(str(fully_async), "max_staleness=3")
+    assert bad.returncode == 2 and "is cancelled; only an active job's schedule can change" in bad.stderr
     missing = schedule_set("999", "max_staleness=2")
     assert missing.returncode == 2 and "no job 999" in missing.stderr
     assert len(store.pending_schedule_changes(job)) == 1  # nothing else was queued
+    assert store.pending_schedule_changes(fully_async) == []

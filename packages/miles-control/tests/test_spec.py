@@ -103,3 +103,8 @@ def test_config_modules_do_not_import_torch():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_backend_mapping_names_its_type(tmp_path):
+    errors = errors_of(write(tmp_path, "name: t\ntrain:\n  backend:\n    world_size: 2\n"))
+    assert any("train.backend" in e and "type: fsdp2 | megatron | torchtitan" in e for e in errors), errors

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from miles_control.cli_control import register as register_control_commands
+from miles_control.config import DEFAULT_STORE_URL
 from miles_control.spec import SpecError, load_spec
 
 app = typer.Typer(
@@ -132,14 +133,12 @@ app.add_typer(schedule_app, name="schedule")
 def schedule_set(
     job_id: Annotated[int, typer.Argument(help="The running job (its id in the store).")],
     changes: Annotated[list[str], typer.Argument(help="field=value, e.g. update_weights_interval=2.")],
-    store_url: Annotated[str, typer.Option("--store", help="SQLAlchemy URL of the job store.")] = (
-        "sqlite:///.miles/miles.db"
-    ),
+    store_url: Annotated[str, typer.Option("--store", help="SQLAlchemy URL of the job store.")] = DEFAULT_STORE_URL,
 ) -> None:
     """Queue a change of live schedule fields; the job applies it at its next step and records it."""
     import yaml
 
-    from miles_control.config import LIVE_SCHEDULE_FIELDS
+    from miles_control.schedules.control import ScheduleChangeError, queue_schedule_change
     from miles_control.store import Store
 
     patch, problems = {}, []
@@ -147,8 +146,6 @@ def schedule_set(
         key, sep, value = item.partition("=")
         if not sep:
             problems.append(f"{item!r}: expected field=value")
-        elif key not in LIVE_SCHEDULE_FIELDS:
-            problems.append(f"{key}: not a live schedule field (live: {', '.join(LIVE_SCHEDULE_FIELDS)})")
         else:
             patch[key] = yaml.safe_load(value)
     if problems:
@@ -156,10 +153,11 @@ def schedule_set(
             console.print(f"[bold red]error:[/] {line}", highlight=False)
         raise typer.Exit(2)
     store = Store(store_url)
-    try:
-        change_id = store.request_schedule_change(job_id, patch)
-    except KeyError as exc:
-        console.print(f"[bold red]error:[/] {exc.args[0]} in {store_url}", highlight=False)
+    try:  # the same check the API runs on PATCH /jobs/{id}/schedule
+        change_id = queue_schedule_change(store, job_id, patch)
+    except (KeyError, ScheduleChangeError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) else str(exc)
+        console.print(f"[bold red]error:[/] {message} (store {store_url})", highlight=False)
         raise typer.Exit(2) from None
     console.print(f"queued change {change_id} for job {job_id}: {patch} (applied at its next step)")
 

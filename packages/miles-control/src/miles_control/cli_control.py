@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from miles_control.config import DEFAULT_STORE_URL
+
 console = Console(stderr=True)
 out = Console()
 
@@ -234,7 +236,7 @@ def jobs_events(
 
 # --- tokens: directly on the store (who runs this can read the database anyway) -----------------
 tokens_app = typer.Typer(help="Bearer tokens of the REST API, stored hashed.", no_args_is_help=True)
-DEFAULT_STORE = os.environ.get("MILES_STORE_URL", "sqlite:///.miles/miles.db")
+DEFAULT_STORE = os.environ.get("MILES_STORE_URL", DEFAULT_STORE_URL)
 
 
 @tokens_app.command("create")

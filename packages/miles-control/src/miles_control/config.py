@@ -10,9 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from miles_rollout.config import DataConfig, RolloutConfig
+from miles_rollout.config import DataConfig, PauseMode, RolloutConfig
 from miles_sync.config import SyncConfig
 from miles_train.config import TrainConfig
+
+DEFAULT_STORE_URL = "sqlite:///.miles/miles.db"  # the store of `miles run`, `miles serve` and the CLI by default
 
 
 class _Strict(BaseModel):
@@ -80,9 +82,7 @@ class ScheduleConfig(_Strict):
     stale_policy: Literal["drop", "regenerate"] = Field(
         "drop", description="fully_async: what happens to a group that became too stale in the buffer."
     )
-    pause_mode: Literal["in_place", "retract", "abort"] = Field(
-        "in_place", description="(live) What in-flight requests do during a weight push."
-    )
+    pause_mode: PauseMode = Field("in_place", description="(live) What in-flight requests do during a weight push.")
     buffer_groups: int | None = Field(
         None, ge=1, description="(live) fully_async: buffer capacity in groups; None = 2 steps' worth."
     )
@@ -111,7 +111,7 @@ LIVE_SCHEDULE_FIELDS = ("update_weights_interval", "max_staleness", "pause_mode"
 
 
 class StoreConfig(_Strict):
-    url: str = Field("sqlite:///.miles/miles.db", description="SQLAlchemy URL of the job store.")
+    url: str = Field(DEFAULT_STORE_URL, description="SQLAlchemy URL of the job store.")
     samples_per_step: int = Field(4, ge=0, le=64, description="Generations kept per step for people to read.")
 
 

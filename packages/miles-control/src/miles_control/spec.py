@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,34 @@ class SpecError(ValueError):
         super().__init__(f"invalid job spec {source}:\n" + "\n".join(f"  {e}" for e in errors))
 
 
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    return JobSpec.model_validate({"name": "defaults"}).model_dump(mode="json")
+
+
+def _default_type(keys: list[str]) -> str | None:
+    """The `type` of the default at `keys` when it is one of several kinds (e.g. `train.backend`: fsdp2)."""
+    node: Any = _defaults()
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node.get("type") if isinstance(node, dict) else None
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Set `a.b.c=value` in nested dicts; the value is parsed as YAML (so 3, 0.5, true, [1] work)."""
+    """Set `a.b.c=value` in nested dicts; the value is parsed as YAML (so 3, 0.5, true, [1] work).
+
+    A section the file leaves out starts as its default's kind: `train.backend.world_size=2` on a file
+    without `train.backend` sets the default backend's (fsdp2's) world_size."""
     path, sep, raw = assignment.partition("=")
     if not sep or not path:
         raise SpecError("--set", [f"{assignment!r}: expected path.to.field=value"])
     keys = path.strip().split(".")
     node = data
-    for key in keys[:-1]:
+    for depth, key in enumerate(keys[:-1]):
+        if key not in node and (kind := _default_type(keys[: depth + 1])) is not None:
+            node[key] = {"type": kind}
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
             raise SpecError("--set", [f"{path}: {key!r} is a value, not a section"])

@@ -130,5 +130,5 @@ class TrainConfig(_Strict):
                 raise ValueError(f"unknown backend {value!r}; choose one of {', '.join(BACKEND_TYPES)}")
             return {"type": value}
         if isinstance(value, dict) and "type" not in value:
-            return {**value, "type": "fsdp2"}  # the default backend, as before backends had a type
+            raise ValueError(f"a backend mapping names its type: type: {' | '.join(BACKEND_TYPES)}")
         return value

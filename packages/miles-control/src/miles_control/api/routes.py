@@ -11,7 +11,6 @@ import orjson
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from miles_control.api.auth import AdminToken, ReadToken
 from miles_control.api.policy import check_spec
@@ -31,9 +30,8 @@ from miles_control.api.schemas import (
     SpanPublic,
     StepPublic,
 )
-from miles_control.config import LIVE_SCHEDULE_FIELDS, ScheduleConfig
-from miles_control.spec import format_validation_error
-from miles_control.store import ACTIVE, FINAL, InvalidTransition, Job, JobNotFound, JobStatus, Store
+from miles_control.schedules.control import ScheduleChangeError, queue_schedule_change
+from miles_control.store import FINAL, InvalidTransition, Job, JobNotFound, JobStatus, Store
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
@@ -152,17 +150,11 @@ def resume_job(job_id: JobId, request: Request, _: AdminToken) -> JobDetail:
 def patch_schedule(job_id: JobId, body: SchedulePatch, request: Request, _: AdminToken) -> ScheduleChangePublic:
     """Applied at the job's next step boundary and recorded (see `list_schedule_changes` and the events)."""
     store = _store(request)
-    job = _job(store, job_id)
-    if JobStatus(job.status) not in ACTIVE:
-        raise HTTPException(409, f"job {job_id} is {job.status}; only an active job's schedule can change")
-    patch = body.model_dump(exclude_none=True)
-    if not patch:
-        raise HTTPException(422, f"give at least one of {', '.join(LIVE_SCHEDULE_FIELDS)}")
-    try:  # the patched schedule must still be valid (e.g. max_staleness vs update_weights_interval)
-        ScheduleConfig.model_validate({**job.spec.get("schedule", {}), **patch})
-    except ValidationError as exc:
-        raise HTTPException(422, "; ".join(format_validation_error(exc))) from None
-    change_id = store.request_schedule_change(job_id, patch)
+    _job(store, job_id)
+    try:  # the same check `miles schedule set` runs
+        change_id = queue_schedule_change(store, job_id, body.model_dump(exclude_none=True))
+    except ScheduleChangeError as exc:
+        raise HTTPException(409 if exc.conflict else 422, str(exc)) from None
     return ScheduleChangePublic.model_validate(next(c for c in store.schedule_changes(job_id) if c.id == change_id))
 
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from miles_control.config import JobSpec
+from miles_rollout.config import PauseMode
 
 
 class _In(BaseModel):
@@ -55,7 +56,7 @@ class SchedulePatch(_In):
 
     update_weights_interval: int | None = Field(None, ge=1, le=1_000_000)
     max_staleness: int | None = Field(None, ge=0, le=1_000_000)
-    pause_mode: Literal["in_place", "retract", "abort"] | None = None
+    pause_mode: PauseMode | None = None
     buffer_groups: int | None = Field(None, ge=1, le=1_000_000)
 
 

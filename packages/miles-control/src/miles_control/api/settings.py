@@ -9,13 +9,15 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from miles_control.config import DEFAULT_STORE_URL
+
 
 class ServerSettings(BaseSettings):
     """Where the server keeps state, which paths job specs may name, and how it launches jobs."""
 
     model_config = SettingsConfigDict(env_prefix="MILES_", extra="ignore")
 
-    store_url: str = Field("sqlite:///.miles/miles.db", description="SQLAlchemy URL of the job store.")
+    store_url: str = Field(DEFAULT_STORE_URL, description="SQLAlchemy URL of the job store.")
     data_dir: Path = Field(Path(".miles"), description="Server state: driver logs, run folders, the local Ray.")
     data_root: Path = Field(Path("data"), description="Prompt files named by job specs must lie under it.")
     model_root: Path = Field(Path("models"), description="Model folders named by job specs must lie under it.")

@@ -76,3 +76,38 @@ class LiveSchedule:
                 f"cannot change {', '.join(fixed)} while the job runs; live fields: {', '.join(LIVE_SCHEDULE_FIELDS)}"
             )
         return None
+
+
+class ScheduleChangeError(ValueError):
+    """A requested change that cannot be queued; `conflict` when the job is not active (the API's 409)."""
+
+    def __init__(self, message: str, conflict: bool = False) -> None:
+        super().__init__(message)
+        self.conflict = conflict
+
+
+def queue_schedule_change(store: Any, job_id: int, patch: dict[str, Any]) -> int:
+    """Validate a change of live schedule fields against the job and queue it; the change's id.
+
+    The one check the API (`PATCH /jobs/{id}/schedule`) and `miles schedule set` share: only live fields,
+    at least one, an active job, and the patched schedule still valid (e.g. max_staleness against
+    update_weights_interval). Raises `ScheduleChangeError` naming the problem (and the store's
+    `JobNotFound` for an unknown job)."""
+    from miles_control.spec import format_validation_error
+    from miles_control.store import ACTIVE, JobStatus
+
+    unknown = sorted(set(patch) - set(LIVE_SCHEDULE_FIELDS))
+    if unknown:
+        raise ScheduleChangeError(
+            f"{', '.join(unknown)}: not a live schedule field (live: {', '.join(LIVE_SCHEDULE_FIELDS)})"
+        )
+    if not patch:
+        raise ScheduleChangeError(f"give at least one of {', '.join(LIVE_SCHEDULE_FIELDS)}")
+    job = store.job(job_id)
+    if JobStatus(job.status) not in ACTIVE:
+        raise ScheduleChangeError(f"job {job_id} is {job.status}; only an active job's schedule can change", True)
+    try:
+        ScheduleConfig.model_validate({**job.spec.get("schedule", {}), **patch})
+    except ValidationError as exc:
+        raise ScheduleChangeError("; ".join(format_validation_error(exc))) from None
+    return store.request_schedule_change(job_id, patch)
