@@ -6,7 +6,7 @@ and the CLI validate a job without importing torch.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -150,6 +150,6 @@ class JobSpec(_Strict):
         if isinstance(value, dict) and "source" not in value:
             if "path" in value:
                 return {**value, "source": "path"}
-            packaged = PackagedModelConfig.model_fields["name"].annotation.__args__
+            packaged = get_args(PackagedModelConfig.model_fields["name"].annotation)
             return {**value, "source": "package" if value.get("name") in packaged else "builtin"}
         return value

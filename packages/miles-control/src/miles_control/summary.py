@@ -111,16 +111,17 @@ class RunSummary:
 
 def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
     """Length of the union of intervals, clipped to [lo, hi]."""
-    total, cur_start, cur_end = 0.0, None, None
+    total = 0.0
+    current: tuple[float, float] | None = None  # the merged interval being extended
     for start, end in sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
+        if current is None or start > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = (start, end)
         else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
+            current = (current[0], max(current[1], end))
+    if current is not None:
+        total += current[1] - current[0]
     return total
 
 

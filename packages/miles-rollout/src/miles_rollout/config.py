@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PauseMode = Literal["in_place", "retract", "abort"]
+Operation = Literal["+", "-", "*"]  # arithmetic task operators
 
 
 class _Strict(BaseModel):
@@ -117,7 +118,7 @@ class DataConfig(_Strict):
     num_train: int = Field(20000, gt=0, description="arithmetic: number of training prompts.")
     num_eval: int = Field(500, gt=0, description="arithmetic: number of held-out prompts.")
     digits: int = Field(2, ge=1, le=6, description="arithmetic: digits per operand.")
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    operations: list[Operation] = Field(default_factory=lambda: list[Operation](["+"]))
 
     @model_validator(mode="after")
     def _system_prompt_needs_template(self) -> DataConfig:

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 TransportName = Literal["inproc", "disk", "tensor", "broadcast"]
 WireDtype = Literal["float32", "bfloat16", "float16"]
-AUTO = "auto"
+AUTO: Literal["auto"] = "auto"
 
 
 def holds_exactly(held: str, sent: str) -> bool:

@@ -254,6 +254,13 @@ class JobRuntime:
     def evaluate_async(self):
         return self.rollout.evaluate.remote()
 
+    def eval_result(self, ref: Any, wait: bool) -> Evaluated | None:
+        """The result of `evaluate_async`'s `ref` once it is ready (waiting for it when `wait`), else None."""
+        import ray
+
+        ready, _ = ray.wait([ref], timeout=None if wait else 0)
+        return ray.get(ref) if ready else None
+
     def record_eval(self, step: int, result: Evaluated) -> dict[str, float]:
         self.recorder.span("eval", step, "rollout-0", result.start, result.end)
         return result.metrics

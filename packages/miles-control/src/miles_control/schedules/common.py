@@ -32,14 +32,12 @@ class BackgroundEval:
 
     def poll(self, wait: bool = False) -> dict[str, float]:
         """Record a finished evaluation (waiting for it when `wait`); returns its metrics or {}."""
-        import ray
-
         if self._ref is None:
             return {}
-        ready, _ = ray.wait([self._ref], timeout=None if wait else 0)
-        if not ready:
+        result = self.rt.eval_result(self._ref, wait)
+        if result is None:
             return {}
-        metrics = self.rt.record_eval(self._step, ray.get(self._ref))
+        metrics = self.rt.record_eval(self._step, result)
         self.rt.recorder.metrics(self._step, metrics)
         self._ref, self.latest = None, metrics
         return metrics
