@@ -60,7 +60,7 @@ def test_megatron_layouts_round_trip(make, tp):
     """Split for every TP rank, then put back together: the HF tensors again, bit for bit (an odd
     vocabulary is padded to a multiple of TP on the way in and trimmed on the way out)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    from miles_train.backends.common import padded_vocab
+    from miles_train.backends.distributed import padded_vocab
     from miles_train.backends.megatron import convert
 
     config, hf = make()
@@ -170,6 +170,7 @@ def test_backend_config_errors_name_the_field(backend, message):
 
 def test_backend_by_name_and_default():
     assert TrainConfig.model_validate({"backend": "torchtitan"}).backend.type == "torchtitan"
-    assert TrainConfig.model_validate({"backend": {"world_size": 2}}).backend.type == "fsdp2"
+    with pytest.raises(ValueError, match="a backend mapping names its type"):  # no silent default kind
+        TrainConfig.model_validate({"backend": {"world_size": 2}})
     megatron = TrainConfig.model_validate({"backend": {"type": "megatron", "world_size": 4, "tensor_parallel_size": 2}})
     assert megatron.backend.data_parallel_size == 2

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -19,8 +17,10 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import AutoModelForCausalLM
 
 from miles_sync import without_tied_head
-from miles_train.backends.common import GRPOBackend, save_hf_weights, with_tied_head
+from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
+from miles_train.backends.hf_io import with_tied_head
+from miles_train.backends.update import GRPOBackend
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
 
@@ -78,29 +78,19 @@ class FSDP2Backend(GRPOBackend):
         if self.rank == 0:
             yield from without_tied_head(state.items(), bool(getattr(self.model.config, "tie_word_embeddings", False)))
 
+    def _state(self) -> TrainerState:
+        return TrainerState(self.name, self.step, self.world_size)
+
     def save(self, directory: str | Path) -> None:
-        """A checkpoint is an HF folder (config + model.safetensors) plus optimizer state."""
-        directory = Path(directory)
+        """The common checkpoint (backends/checkpoint.py) with the full optimizer state: loadable on any
+        number of ranks."""
         model_state = get_model_state_dict(self.model, options=_FULL)
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
-        if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            save_hf_weights(directory, self.model.config, model_state)
-            torch.save(optim_state, directory / "optimizer.pt")
-            (directory / "trainer_state.json").write_text(json.dumps({"step": self.step, "backend": self.name}))
-        dist.barrier()
+        save_checkpoint(directory, self.rank, self.model.config, model_state, self._state(), optim_state)
 
     def load(self, directory: str | Path) -> None:
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        written_by = json.loads((directory / "trainer_state.json").read_text()).get("backend")
-        if written_by != self.name:
-            raise ValueError(f"fsdp2: checkpoint {directory} was written by the {written_by} backend")
-        model_state = with_tied_head(self.model.config, load_file(str(directory / "model.safetensors")))
-        set_model_state_dict(self.model, model_state, options=StateDictOptions(full_state_dict=True))
-        optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
-        set_optimizer_state_dict(
-            self.model, self.optimizer, optim_state, options=StateDictOptions(full_state_dict=True)
-        )
-        self.step = json.loads((directory / "trainer_state.json").read_text())["step"]
+        ckpt = load_checkpoint(directory, self._state())
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, with_tied_head(self.model.config, ckpt.hf_state), options=full)
+        set_optimizer_state_dict(self.model, self.optimizer, ckpt.optimizer_state, options=full)
+        self.step = ckpt.state.step

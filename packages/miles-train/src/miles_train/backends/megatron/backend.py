@@ -7,7 +7,6 @@ ranks each (Megatron's order: consecutive ranks share a layer). fp32 parameters 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles_train.backends.common import GRPOBackend, read_hf_state, save_hf_weights
+from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from miles_train.backends.hf_io import read_hf_state
 from miles_train.backends.megatron import convert, cpu
+from miles_train.backends.update import GRPOBackend
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
 
@@ -182,40 +183,27 @@ class MegatronBackend(GRPOBackend):
         if self.rank == 0:
             yield from convert.megatron_to_hf(shards, self.hf_config)
 
+    def _state(self) -> TrainerState:
+        return TrainerState(self.name, self.step, self.world_size, self.tp)
+
     def save(self, directory: str | Path) -> None:
-        """An HF folder (config + model.safetensors) plus each rank's optimizer state."""
-        directory = Path(directory)
+        """The common checkpoint (backends/checkpoint.py) with each rank's optimizer state (Megatron's layout:
+        loadable on the same world_size and tensor_parallel_size)."""
         weights = {name: t.contiguous() for name, t in self.export_weights()}
-        if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            save_hf_weights(directory, self.hf_config, weights)
-            state = {
-                "step": self.step,
-                "backend": self.name,
-                "world_size": self.world_size,
-                "tensor_parallel_size": self.tp,
-            }
-            (directory / "trainer_state.json").write_text(json.dumps(state))
-        dist.barrier()
-        with cpu.on_cpu():
-            torch.save(self.optimizer.state_dict(), directory / f"optimizer-rank{self.rank}.pt")
-        dist.barrier()
+        save_checkpoint(
+            directory, self.rank, self.hf_config, weights, self._state(), self.optimizer.state_dict(),
+            per_rank_optimizer=True, optimizer_io=cpu.on_cpu,
+        )  # fmt: skip
 
     def load(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        state = json.loads((directory / "trainer_state.json").read_text())
-        layout = (state.get("world_size"), state.get("tensor_parallel_size"))
-        if state.get("backend") != self.name or layout != (self.world_size, self.tp):
-            raise ValueError(
-                f"megatron: checkpoint {directory} was written by {state.get('backend')} with world_size, "
-                f"tensor_parallel_size = {layout}; this trainer is {self.name} with {(self.world_size, self.tp)}"
-            )
-        hf = read_hf_state(directory)
-        self._assign(self.model, convert.hf_to_megatron(hf, self.hf_config, self.tp, self.tp_rank))
+        ckpt = load_checkpoint(
+            directory, self._state(), ("world_size", "tensor_parallel_size"), self.rank,
+            per_rank_optimizer=True, optimizer_io=cpu.on_cpu,
+        )  # fmt: skip
+        self._assign(self.model, convert.hf_to_megatron(ckpt.hf_state, self.hf_config, self.tp, self.tp_rank))
         with cpu.on_cpu():
-            optim_state = torch.load(directory / f"optimizer-rank{self.rank}.pt", weights_only=False)
-            self.optimizer.load_state_dict(optim_state)
-        self.step = state["step"]
+            self.optimizer.load_state_dict(ckpt.optimizer_state)
+        self.step = ckpt.state.step
 
     def shutdown(self) -> None:
         from megatron.core import parallel_state

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from miles_sync import TIED_HEAD
-from miles_train.backends.common import pad_rows, padded_vocab
+from miles_train.backends.distributed import pad_rows, padded_vocab
 from miles_train.backends.hf_family import (
     check_divides,
     check_family,

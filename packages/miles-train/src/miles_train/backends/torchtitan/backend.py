@@ -8,14 +8,12 @@ the loss is already the global token mean.
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,14 +22,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from miles_train.backends.common import (
-    GRPOBackend,
-    pad_rows,
-    padded_vocab,
-    read_hf_state,
-    save_hf_weights,
-)
+from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from miles_train.backends.distributed import pad_rows, padded_vocab
+from miles_train.backends.hf_io import read_hf_state
 from miles_train.backends.torchtitan import convert, cpu
+from miles_train.backends.update import GRPOBackend
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
 
@@ -167,38 +162,19 @@ class TorchtitanBackend(GRPOBackend):
         if self.rank == 0:
             yield from state.items()
 
+    def _state(self) -> TrainerState:
+        return TrainerState(self.name, self.step, self.world_size, self.tp, self.padded_vocab)
+
     def save(self, directory: str | Path) -> None:
-        """An HF folder (config + model.safetensors) plus the full optimizer state."""
-        directory = Path(directory)
+        """The common checkpoint (backends/checkpoint.py) with the full optimizer state, whose vocabulary rows
+        are padded for this tensor-parallel size."""
         weights = self._hf_state()
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
-        if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            save_hf_weights(directory, self.hf_config, weights)
-            torch.save(optim_state, directory / "optimizer.pt")
-            state = {
-                "step": self.step,
-                "backend": self.name,
-                "world_size": self.world_size,
-                "tensor_parallel_size": self.tp,
-                "padded_vocab": self.padded_vocab,
-            }
-            (directory / "trainer_state.json").write_text(json.dumps(state))
-        dist.barrier()
+        save_checkpoint(directory, self.rank, self.hf_config, weights, self._state(), optim_state)
 
     def load(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        state = json.loads((directory / "trainer_state.json").read_text())
-        if state.get("backend") != self.name:
-            raise ValueError(f"torchtitan: checkpoint {directory} was written by the {state.get('backend')} backend")
-        if state.get("padded_vocab", self.padded_vocab) != self.padded_vocab:
-            raise ValueError(
-                f"torchtitan: checkpoint {directory} was written with tensor_parallel_size "
-                f"{state.get('tensor_parallel_size')}, which pads the vocabulary to {state.get('padded_vocab')} rows; "
-                f"tensor_parallel_size {self.tp} pads it to {self.padded_vocab} (the optimizer state differs)"
-            )
+        ckpt = load_checkpoint(directory, self._state(), ("padded_vocab",))
         full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, self._from_hf(read_hf_state(directory)), options=full)
-        optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=full)
-        self.step = state["step"]
+        set_model_state_dict(self.model, self._from_hf(ckpt.hf_state), options=full)
+        set_optimizer_state_dict(self.model, self.optimizer, ckpt.optimizer_state, options=full)
+        self.step = ckpt.state.step

@@ -11,17 +11,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import time
 from collections.abc import Iterator
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
+from miles_train.backends.distributed import DistributedGroup
 from miles_train.collate import Collated, collate, logprobs_from_logits, unpad_response
 from miles_train.config import TrainConfig
 from miles_train.grpo import (
@@ -60,7 +56,7 @@ class GRPOBackend:
             )
         if config.backend.num_threads is not None:
             torch.set_num_threads(config.backend.num_threads)
-        init_distributed(rank, world_size, init_method)
+        self.group = DistributedGroup(rank, world_size, init_method)
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.dp_rank, self.dp_size = rank, world_size
@@ -295,93 +291,4 @@ class GRPOBackend:
         return unpad_response(self._padded_logprobs(batch), batch)
 
     def shutdown(self) -> None:
-        close_distributed(self.rank, self.world_size)
-
-
-_store: Any = None  # the rendezvous store, when init_distributed made it (tcp:// addresses)
-
-
-def init_distributed(rank: int, world_size: int, init_method: str | None) -> None:
-    """The default process group: NCCL on GPU, gloo on CPU (once per process). On GPU the rank's
-    device is chosen first: `LOCAL_RANK` when the launcher sets it, else the rank modulo the
-    visible devices (Ray gives each trainer actor its own GPU, so that is 0).
-
-    For a `tcp://host:port` address the rendezvous store is made here and kept, so that `shutdown`
-    can hold rank 0 (which hosts the store) until every rank has torn its group down."""
-    global _store
-    if dist.is_initialized():
-        return
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
-        torch.cuda.set_device(local)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    address = urlparse(init_method or "tcp://127.0.0.1:29512")
-    if address.scheme == "tcp" and address.hostname and address.port:
-        _store = dist.TCPStore(
-            address.hostname, address.port, world_size, is_master=rank == 0, timeout=timedelta(seconds=300)
-        )
-        dist.init_process_group(backend, store=_store, rank=rank, world_size=world_size)
-    else:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-
-
-def close_distributed(rank: int, world_size: int) -> None:
-    """Tear the default group down on every rank. Rank 0 returns last: a rank whose group still
-    talks to the store of a rank 0 that has exited aborts in gloo's teardown (seen in CI)."""
-    global _store
-    if not dist.is_initialized():
-        return
-    dist.barrier()  # no rank tears its group down while a peer still talks to it
-    dist.destroy_process_group()
-    if _store is not None:
-        closed = _store.add("miles/closed", 1)
-        deadline = time.monotonic() + 30
-        while rank == 0 and closed < world_size and time.monotonic() < deadline:
-            time.sleep(0.01)
-            closed = _store.add("miles/closed", 0)
-        _store = None
-
-
-def read_hf_state(model_path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint folder (`*.safetensors`), in fp32."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {model_path}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update({k: v.float() for k, v in load_file(str(file)).items()})
-    return state
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """The vocabulary rounded up to a multiple of the tensor-parallel size (vocab-parallel layers
-    split it evenly); the extra rows are zeros and their logits are sliced off."""
-    return -(-vocab_size // tp) * tp
-
-
-def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], 0)
-
-
-def save_hf_weights(directory: Path, hf_config: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """`config.json` + `model.safetensors` as `save_pretrained` writes them: a tied head is left out
-    (it is the embedding; safetensors refuses tensors that share memory)."""
-    from safetensors.torch import save_file
-
-    from miles_sync import without_tied_head
-
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    hf_config.save_pretrained(directory)
-    weights = {k: v.contiguous() for k, v in without_tied_head(tensors.items(), tied)}
-    save_file(weights, str(directory / "model.safetensors"))
-
-
-def with_tied_head(hf_config: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The HF state dict of a checkpoint folder: a tied model's head named again (as `state_dict()` has it)."""
-    if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in tensors:
-        return {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}
-    return tensors
+        self.group.close()

@@ -1,0 +1,30 @@
+"""The one checkpoint format: trainer_state.json names the layout, and a trainer refuses a checkpoint whose
+optimizer state does not fit its own layout, naming the fields that differ. (Save → load round trips on
+every backend and layout run in test_backend_contract.py.)"""
+
+import json
+
+import pytest
+
+from miles_train.backends.checkpoint import STATE_FILE, TrainerState
+
+
+def test_a_checkpoint_names_the_fields_in_which_its_layout_differs(tmp_path):
+    written = TrainerState("megatron", step=7, world_size=2, tensor_parallel_size=2)
+    (tmp_path / STATE_FILE).write_text(json.dumps({**written.__dict__, "written_by": "a later version"}))
+    state = TrainerState.read(tmp_path)
+    assert state == written  # unknown keys are ignored
+    state.check_loadable_by(TrainerState("megatron", 0, 2, 2), ("world_size", "tensor_parallel_size"), tmp_path)
+    with pytest.raises(
+        ValueError, match=r"written with tensor_parallel_size 2; this trainer has tensor_parallel_size 1"
+    ):
+        state.check_loadable_by(TrainerState("megatron", 0, 2, 1), ("world_size", "tensor_parallel_size"), tmp_path)
+    with pytest.raises(ValueError, match=r"written with backend megatron; this trainer has backend fsdp2"):
+        state.check_loadable_by(TrainerState("fsdp2", 0, 1), (), tmp_path)
+    # fsdp2 keeps its optimizer state in full: any world size loads it
+    TrainerState("fsdp2", 3, world_size=2).check_loadable_by(TrainerState("fsdp2", 0, 1), (), tmp_path)
+
+
+def test_a_folder_without_trainer_state_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"is not a trainer checkpoint: no {STATE_FILE}"):
+        TrainerState.read(tmp_path)
