@@ -4,20 +4,21 @@
     miles serve &
     python examples/api_client.py --steps 10
 
-Only HTTP: this script needs httpx and PyYAML, not Miles (a dashboard or a notebook would do the same).
+It uses the typed client that ships with miles-control (`miles_control.client.MilesClient`): each call
+returns the API's own models (JobDetail, RunSummaryPublic, ...), and errors are `ApiError`s naming the field.
+The client needs httpx and pydantic at run time, not torch or Ray.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-import httpx
 import yaml
+
+from miles_control.client import ApiError, MilesClient
 
 
 def main() -> int:
@@ -30,7 +31,7 @@ def main() -> int:
     args = parser.parse_args()
     if not args.token:
         parser.error("no token: pass --token or set MILES_TOKEN (miles tokens create --name me --scope admin)")
-    http = httpx.Client(base_url=f"{args.api}/api/v1", headers={"Authorization": f"Bearer {args.token}"}, timeout=30)
+    client = MilesClient(args.api, args.token)
 
     spec = yaml.safe_load(args.spec.read_text())
     spec["name"] = f"api-client-{spec['name']}"
@@ -38,38 +39,30 @@ def main() -> int:
     spec["rollout"]["num_prompts_per_step"] = 16
     spec["rollout"]["eval"] = {"every_steps": 5, "num_prompts": 100}
     spec["schedule"].update(num_steps=args.steps, max_minutes=None)
-    response = http.post("/jobs", json={"spec": spec})
-    if response.status_code != 201:
-        print(f"refused ({response.status_code}): {response.json()['detail']}", file=sys.stderr)
+    try:
+        job = client.create_job(spec)
+    except ApiError as exc:
+        print(f"refused ({exc.status}): {exc.message}", file=sys.stderr)
         return 1
-    job_id = response.json()["id"]
-    print(f"job {job_id} created; following its events")
+    print(f"job {job.id} created; following its events")
 
     status = "unknown"
-    with http.stream("GET", f"/jobs/{job_id}/events/stream", timeout=None) as stream:
-        kind = ""
-        for line in stream.iter_lines():
-            if line.startswith("event: "):
-                kind = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data = json.loads(line.removeprefix("data: "))
-                if kind == "end":
-                    status = data["status"]
-                else:
-                    print(f"  [{kind}] {data['message']}")
+    for kind, data, _ in client.stream_events(job.id):
+        if kind == "end":
+            status = data["status"]
+        else:
+            print(f"  [{kind}] {data['message']}")
 
-    job = http.get(f"/jobs/{job_id}").json()
-    print(f"job {job_id}: {status} after {job['last_step'] or 0} steps")
+    job = client.job(job.id)
+    print(f"job {job.id}: {status} after {job.last_step or 0} steps")
     if status != "succeeded":
-        print(job["error"], file=sys.stderr)
+        print(job.error, file=sys.stderr)
         return 1
-    per_stage: dict[str, float] = defaultdict(float)
-    for span in http.get(f"/jobs/{job_id}/spans").json():
-        per_stage[span["stage"]] += span["end"] - span["start"]
-    for stage, seconds in sorted(per_stage.items(), key=lambda kv: -kv[1]):
-        print(f"  {stage:<14} {seconds:7.2f} s")
-    accuracy = http.get(f"/jobs/{job_id}/metrics", params={"name": "eval/accuracy"}).json()
-    print("held-out accuracy by step: " + ", ".join(f"{p['step']}:{p['value']:.2f}" for p in accuracy))
+    summary = client.summary(job.id)  # the numbers `miles run` prints
+    for stage in sorted(summary.stages, key=lambda st: -st.total_s):
+        print(f"  {stage.stage:<14} {stage.total_s:7.2f} s  {stage.share_of_wall:6.1%} of wall time")
+    print(f"  weight update: mean {1000 * (summary.weight_sync_mean_s or 0):.1f} ms")
+    print("held-out accuracy by step: " + ", ".join(f"{step}:{value:.2f}" for step, value in summary.eval_accuracy))
     return 0
 
 

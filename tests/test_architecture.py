@@ -116,12 +116,42 @@ def test_each_package_builds_a_wheel_alone(dist, tmp_path):
     assert f"{module}/__init__.py" in names and f"{module}/config.py" in names
 
 
+def full_imports_of(folder: Path) -> dict[str, set[str]]:
+    """Full module names imported by each file under `folder`."""
+    found: dict[str, set[str]] = {}
+    for path in folder.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
 def test_the_dashboard_talks_to_the_api_only():
-    """apps/dashboard imports no Miles package and no torch: everything it shows comes over REST."""
+    """apps/dashboard reaches the control plane only through the typed API client (miles_control.client and the
+    API's schema models) and imports no torch: everything it shows comes over REST."""
     app = ROOT / "apps" / "dashboard"
     local = {p.stem for p in app.glob("*.py")}
-    allowed = {"streamlit", "altair", "pandas", "httpx", "yaml"} | local
-    used = imports_of(app)
-    offenders = {f: sorted(n - allowed - set(sys.stdlib_module_names)) for f, n in used.items()}
+    allowed = {"streamlit", "altair", "pandas", "httpx", "yaml", "pydantic"} | local
+    allowed_miles = {"miles_control.client", "miles_control.api.schemas"}
+    used = full_imports_of(app)
+    offenders = {
+        f: sorted(
+            n for n in names if n not in allowed_miles and n.split(".")[0] not in allowed | set(sys.stdlib_module_names)
+        )
+        for f, names in used.items()
+    }
     offenders = {f: n for f, n in offenders.items() if n}
-    assert used and not offenders, f"the dashboard may use only {sorted(allowed)} and the stdlib: {offenders}"
+    assert used and not offenders, (
+        f"the dashboard may use only {sorted(allowed | allowed_miles)} and the stdlib: {offenders}"
+    )
+    assert any("miles_control.client" in names for names in used.values())  # the one client, not its own
+    code = (
+        "import sys, miles_control.client; "
+        "print([m for m in ('torch', 'ray', 'transformers', 'sqlalchemy', 'fastapi') if m in sys.modules])"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]", f"importing the API client loads {loaded}"

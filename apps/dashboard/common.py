@@ -7,7 +7,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import streamlit as st
-from client import Api, ApiError
+from pydantic import BaseModel
+
+from miles_control.api.schemas import JobPublic
+from miles_control.client import ApiError, MilesClient
 
 ACTIVE = ("queued", "starting", "running")
 STATUS_COLORS = {
@@ -16,7 +19,7 @@ STATUS_COLORS = {
 }  # fmt: skip
 
 
-def api() -> Api:
+def api() -> MilesClient:
     """The API client of this session: MILES_API_URL / MILES_TOKEN, or what the sidebar form was given."""
     state = st.session_state
     state.setdefault("api_url", os.environ.get("MILES_API_URL", "http://127.0.0.1:8420"))
@@ -30,7 +33,7 @@ def api() -> Api:
     if not state.token:
         st.info("Give the API URL and a token (`miles tokens create --name me --scope admin`) in the sidebar.")
         st.stop()
-    client = Api(state.api_url, state.token)
+    client = MilesClient(state.api_url, state.token, timeout=15.0)
     try:
         client.jobs(limit=1)
     except ApiError as exc:
@@ -43,37 +46,40 @@ def status_text(status: str) -> str:
     return f":{STATUS_COLORS.get(status, 'gray')}[**{status}**]"
 
 
-def parse_time(value: str) -> datetime:
-    moment = datetime.fromisoformat(value)
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)  # the store writes UTC
+def rows(models: list[BaseModel]) -> list[dict]:
+    """API models as plain rows, for tables and charts."""
+    return [m.model_dump(mode="json") for m in models]
 
 
-def age(value: str) -> str:
-    seconds = (datetime.now(timezone.utc) - parse_time(value)).total_seconds()
+def age(moment: datetime) -> str:
+    moment = moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)  # the store writes UTC
+    seconds = (datetime.now(timezone.utc) - moment).total_seconds()
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
             return f"{seconds / size:.0f} {unit} ago"
     return f"{max(seconds, 0):.0f} s ago"
 
 
-def choose_job(client: Api, label: str = "Job", only_active: bool = False, show_status: bool = True) -> dict | None:
+def choose_job(
+    client: MilesClient, label: str = "Job", only_active: bool = False, show_status: bool = True
+) -> JobPublic | None:
     """A job picker; remembers the choice across pages (and reads ?job= from the URL)."""
     page = client.jobs(status=list(ACTIVE) if only_active else None, limit=200)
-    jobs = page["items"]
+    jobs = page.items
     if not jobs:
         st.info("No active jobs." if only_active else "No jobs yet: launch one on the Jobs page.")
         return None
     wanted = st.query_params.get("job") or st.session_state.get("job_id")
-    ids = [j["id"] for j in jobs]
+    ids = [j.id for j in jobs]
     index = ids.index(int(wanted)) if wanted and str(wanted).isdigit() and int(wanted) in ids else 0
     chosen = st.selectbox(
         label,
         jobs,
         index=index,
-        format_func=lambda j: f"#{j['id']} {j['name']}" + (f" ({j['status']})" if show_status else ""),
+        format_func=lambda j: f"#{j.id} {j.name}" + (f" ({j.status})" if show_status else ""),
         key=f"pick-{label}",
     )
-    st.session_state["job_id"] = chosen["id"]
+    st.session_state["job_id"] = chosen.id
     return chosen
 
 

@@ -7,36 +7,36 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 from charts import breakdown, breakdown_chart, metrics_frame, series_chart
-from common import api
+from common import api, rows
 
 client = api()
 st.title("Compare runs")
-jobs = client.jobs(limit=200)["items"]
+jobs = client.jobs(limit=200).items
 if len(jobs) < 1:
     st.info("No jobs yet.")
     st.stop()
-finished = [j for j in jobs if j["last_step"]]
+finished = [j for j in jobs if j.last_step]
 chosen = st.multiselect(
-    "Jobs", jobs, default=finished[:2], format_func=lambda j: f"#{j['id']} {j['name']} ({j['schedule']})", key="cmp"
+    "Jobs", jobs, default=finished[:2], format_func=lambda j: f"#{j.id} {j.name} ({j.schedule})", key="cmp"
 )
 if chosen:
-    curves, shares, rows = [], [], []
+    curves, shares, table = [], [], []
     for job in chosen:
-        label = f"#{job['id']} {job['schedule']}"
-        points = metrics_frame(client.metrics(job["id"], ["rollout/reward_mean", "eval/accuracy"]))
-        steps = client.steps(job["id"])
-        start = min((s["started_at"] for s in steps), default=None)
+        label = f"#{job.id} {job.schedule}"
+        points = metrics_frame(rows(client.metrics(job.id, ["rollout/reward_mean", "eval/accuracy"])))
+        steps = client.steps(job.id)
+        start = min((s.started_at for s in steps), default=None)
         if start is not None and not points.empty:
             curves.append(points.assign(run=label, seconds=points["wall_time"] - start))
-        summary = client.summary(job["id"])  # the numbers `miles run` prints and the bench reports
+        summary = client.summary(job.id).model_dump()  # the numbers `miles run` prints and the bench reports
         per, wall = breakdown(summary)
         shares.append(per.assign(run=label))
         sync_mean = summary["weight_sync_mean_s"]
         accuracy = summary["eval_accuracy"]
-        rows.append(
+        table.append(
             {
                 "run": label,
-                "status": job["status"],
+                "status": job.status,
                 "steps": summary["num_steps"],
                 "wall s": round(wall, 1),
                 "samples/s": round(summary["samples_per_s"], 2),
@@ -45,7 +45,7 @@ if chosen:
                 "final accuracy": round(accuracy[-1][1], 3) if accuracy else None,
             }
         )
-    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    st.dataframe(pd.DataFrame(table), hide_index=True, width="stretch")
     if curves:
         df = pd.concat(curves)
         for name, title in (("rollout/reward_mean", "reward (mean)"), ("eval/accuracy", "held-out accuracy")):

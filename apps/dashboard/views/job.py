@@ -4,37 +4,38 @@ samples and events; refreshed every few seconds while the job runs."""
 import pandas as pd
 import streamlit as st
 from charts import KEY_METRICS, breakdown, breakdown_chart, gantt, metric_grid, metrics_frame, series_chart, spans_frame
-from client import ApiError
-from common import ACTIVE, api, choose_job, status_text
+from common import ACTIVE, api, choose_job, rows, status_text
+
+from miles_control.client import ApiError
 
 client = api()
 st.title("Job")
 picked = choose_job(client, show_status=False)  # the status is in the header, which refreshes
 if picked is None:
     st.stop()
-job_id = picked["id"]
+job_id = picked.id
 refresh = st.sidebar.toggle("Auto refresh while active", value=True, key="auto_refresh")
 
 
-@st.fragment(run_every=3 if refresh and picked["status"] in ACTIVE else None)
+@st.fragment(run_every=3 if refresh and picked.status in ACTIVE else None)
 def show() -> None:
     job = client.job(job_id)
     head, actions = st.columns([4, 1])
     head.markdown(
-        f"### #{job['id']} {job['name']} · {status_text(job['status'])} · `{job['schedule']}` · "
-        f"step {job['last_step'] or 0}/{job['num_steps']}"
+        f"### #{job.id} {job.name} · {status_text(job.status)} · `{job.schedule}` · "
+        f"step {job.last_step or 0}/{job.num_steps}"
     )
-    head.progress(min(1.0, (job["last_step"] or 0) / max(job["num_steps"], 1)))
-    if job["error"]:
-        head.error(job["error"])
-    if job["status"] in ACTIVE and actions.button("Cancel", key="cancel"):
+    head.progress(min(1.0, (job.last_step or 0) / max(job.num_steps, 1)))
+    if job.error:
+        head.error(job.error)
+    if job.status in ACTIVE and actions.button("Cancel", key="cancel"):
         _act(lambda: client.cancel(job_id), "cancel requested")
-    if job["resumable"] and actions.button("Resume", key="resume"):
+    if job.resumable and actions.button("Resume", key="resume"):
         _act(lambda: client.resume(job_id), "queued again")
 
     tabs = st.tabs(["Metrics", "Timeline", "Time breakdown", "Throughput", "Weight sync", "Samples", "Events"])
-    points = metrics_frame(client.metrics(job_id))
-    changes = client.schedule_changes(job_id)
+    points = metrics_frame(rows(client.metrics(job_id)))
+    changes = rows(client.schedule_changes(job_id))
     with tabs[0]:
         names = sorted(points["name"].unique())
         default = [n for n in KEY_METRICS if n in names] or names[:6]
@@ -48,8 +49,8 @@ def show() -> None:
             st.caption("Dashed lines: schedule changes, at the step they applied.")
     with tabs[1]:
         _timeline(job, changes)
-    spans = client.spans(job_id)
-    summary = client.summary(job_id)  # the numbers `miles run` prints and the bench reports
+    spans = rows(client.spans(job_id))
+    summary = client.summary(job_id).model_dump()  # the numbers `miles run` prints and the bench reports
     with tabs[2]:
         per, wall = breakdown(summary)
         if per.empty:
@@ -87,7 +88,7 @@ def show() -> None:
                 f"{sync[-1]['num_bytes'] / 1e6:,.2f} MB via `{sync[-1]['attrs'].get('transport', '?')}`."
             )
     with tabs[5]:
-        samples = client.samples(job_id, limit=400)
+        samples = rows(client.samples(job_id, limit=400))
         if not samples:
             st.info("No samples yet.")
         else:
@@ -95,7 +96,7 @@ def show() -> None:
             step = st.selectbox("Step", steps, key="sample_step")
             st.dataframe(pd.DataFrame([s for s in samples if s["step"] == step]), hide_index=True)
     with tabs[6]:
-        events = client.events(job_id)
+        events = rows(client.events(job_id, limit=1000))
         st.dataframe(
             pd.DataFrame(events, columns=["created_at", "kind", "step", "message"]),
             hide_index=True,
@@ -111,13 +112,13 @@ def _act(call, done: str) -> None:
         st.error(exc.message)
 
 
-def _timeline(job: dict, changes: list[dict]) -> None:
-    last = job["last_step"] or 0
+def _timeline(job, changes: list[dict]) -> None:
+    last = job.last_step or 0
     if last < 1:
         st.info("No steps yet.")
         return
     low, high = (1, last) if last == 1 else st.slider("Steps", 1, last, (max(1, last - 9), last), key="timeline_steps")
-    df = spans_frame(client.spans(job["id"], step_min=low, step_max=high))
+    df = spans_frame(rows(client.spans(job.id, step_min=low, step_max=high)))
     if df.empty:
         st.info("No spans in these steps.")
         return

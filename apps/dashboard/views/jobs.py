@@ -2,9 +2,10 @@
 
 import pandas as pd
 import streamlit as st
-from client import ApiError
 from common import ACTIVE, age, api, presets_dir
 from specs import SpecSyntaxError, field_line, parse_yaml
+
+from miles_control.client import ApiError
 
 client = api()
 st.title("Jobs")
@@ -15,20 +16,20 @@ statuses = left.multiselect(
 )
 name = right.text_input("Name contains", key="filter_name")
 page = client.jobs(status=statuses or None, name=name or None, limit=200)
-jobs = page["items"]
-st.caption(f"{page['total']} job(s); {sum(j['status'] in ACTIVE for j in jobs)} active")
+jobs = page.items
+st.caption(f"{page.total} job(s); {sum(j.status in ACTIVE for j in jobs)} active")
 if jobs:
     table = pd.DataFrame(
         [
             {
-                "id": j["id"],
-                "name": j["name"],
-                "status": j["status"],
-                "schedule": j["schedule"],
-                "progress": (j["last_step"] or 0) / max(j["num_steps"], 1),
-                "step": f"{j['last_step'] or 0}/{j['num_steps']}",
-                "created": age(j["created_at"]),
-                "error": j["error"] or "",
+                "id": j.id,
+                "name": j.name,
+                "status": j.status,
+                "schedule": j.schedule,
+                "progress": (j.last_step or 0) / max(j.num_steps, 1),
+                "step": f"{j.last_step or 0}/{j.num_steps}",
+                "created": age(j.created_at),
+                "error": j.error or "",
             }
             for j in jobs
         ]
@@ -39,9 +40,9 @@ if jobs:
         width="stretch",
         column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0, max_value=1)},
     )
-    chosen = st.selectbox("Open", jobs, format_func=lambda j: f"#{j['id']} {j['name']} ({j['status']})", key="open")
+    chosen = st.selectbox("Open", jobs, format_func=lambda j: f"#{j.id} {j.name} ({j.status})", key="open")
     if st.button("Open job", key="open_job"):
-        st.session_state["job_id"] = chosen["id"]
+        st.session_state["job_id"] = chosen.id
         st.switch_page("views/job.py")
 else:
     st.info("No jobs match." if statuses or name else "No jobs yet: launch one below.")
@@ -68,9 +69,9 @@ if st.button("Launch", type="primary", key="launch"):
         else:
             st.error(exc.message)
     else:
-        st.session_state["job_id"] = created["id"]
+        st.session_state["job_id"] = created.id
         st.session_state["launched"] = created
         st.rerun()  # so that the list above shows the new job
 if launched := st.session_state.get("launched"):
-    st.success(f"Job #{launched['id']} ({launched['name']}) is {launched['status']}.")
-    st.page_link("views/job.py", label=f"Watch job #{launched['id']}", icon=":material/monitoring:")
+    st.success(f"Job #{launched.id} ({launched.name}) is {launched.status}.")
+    st.page_link("views/job.py", label=f"Watch job #{launched.id}", icon=":material/monitoring:")

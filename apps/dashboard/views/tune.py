@@ -2,8 +2,9 @@
 
 import streamlit as st
 from charts import metric_grid, metrics_frame
-from client import ApiError
-from common import api, choose_job, status_text
+from common import api, choose_job, rows, status_text
+
+from miles_control.client import ApiError
 
 LIVE = ("update_weights_interval", "max_staleness", "pause_mode", "buffer_groups")
 client = api()
@@ -11,13 +12,13 @@ st.title("Tune a running job")
 picked = choose_job(client, only_active=True)
 if picked is None:
     st.stop()
-job = client.job(picked["id"])
-changes = client.schedule_changes(job["id"])
-current = {k: job["spec"]["schedule"].get(k) for k in LIVE}
+job = client.job(picked.id)
+changes = client.schedule_changes(job.id)
+current = {k: job.spec["schedule"].get(k) for k in LIVE}
 for change in changes:  # what the job runs with now: its spec plus the changes it applied
-    if change["status"] == "applied":
-        current.update(change["patch"])
-st.markdown(f"#{job['id']} {job['name']} · {status_text(job['status'])} · `{job['schedule']}`")
+    if change.status == "applied":
+        current.update(change.patch)
+st.markdown(f"#{job.id} {job.name} · {status_text(job.status)} · `{job.schedule}`")
 st.caption(
     "Changes apply at the job's next step boundary and are recorded. `max_staleness` and `buffer_groups` "
     "matter for fully_async; `update_weights_interval` for one_step_off and fully_async."
@@ -38,9 +39,9 @@ if reviewed:
     if buffer:
         wanted["buffer_groups"] = buffer
     patch = {k: v for k, v in wanted.items() if v != current[k]}
-    st.session_state["pending_patch"] = (job["id"], patch)
+    st.session_state["pending_patch"] = (job.id, patch)
 pending = st.session_state.get("pending_patch")
-if pending and pending[0] == job["id"]:
+if pending and pending[0] == job.id:
     patch = pending[1]
     if not patch:
         st.info("Nothing differs from what the job runs with.")
@@ -49,9 +50,9 @@ if pending and pending[0] == job["id"]:
         ok, cancel = st.columns(8)[:2]
         if ok.button("Confirm", type="primary", key="confirm"):
             try:
-                change = client.patch_schedule(job["id"], patch)
-                st.success(f"Change {change['id']} queued: it applies at the job's next step.")
-                changes = client.schedule_changes(job["id"])
+                change = client.patch_schedule(job.id, patch)
+                st.success(f"Change {change.id} queued: it applies at the job's next step.")
+                changes = client.schedule_changes(job.id)
             except ApiError as exc:
                 st.error(exc.message)
             st.session_state.pop("pending_patch", None)
@@ -62,12 +63,12 @@ if pending and pending[0] == job["id"]:
 st.subheader("History")
 if changes:
     for c in reversed(changes):
-        patch = ", ".join(f"{k} = {v}" for k, v in c["patch"].items())
-        where = f"before step {c['applied_step']}" if c["applied_step"] is not None else "at the next step"
-        why = f" · {c['message']}" if c["status"] == "rejected" else ""
-        st.markdown(f"- change {c['id']}: `{patch}` · **{c['status']}** {where}{why}")
-    points = metrics_frame(client.metrics(job["id"], ["rollout/reward_mean", "eval/accuracy", "step/wall_s"]))
-    grid = metric_grid(points, sorted(points["name"].unique()), changes)
+        patch = ", ".join(f"{k} = {v}" for k, v in c.patch.items())
+        where = f"before step {c.applied_step}" if c.applied_step is not None else "at the next step"
+        why = f" · {c.message}" if c.status == "rejected" else ""
+        st.markdown(f"- change {c.id}: `{patch}` · **{c.status}** {where}{why}")
+    points = metrics_frame(rows(client.metrics(job.id, ["rollout/reward_mean", "eval/accuracy", "step/wall_s"])))
+    grid = metric_grid(points, sorted(points["name"].unique()), rows(changes))
     if grid is not None:
         st.altair_chart(grid)
         st.caption("Dashed lines: the changes, at the step they applied.")

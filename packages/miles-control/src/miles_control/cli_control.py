@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -92,30 +92,24 @@ def dashboard(
 jobs_app = typer.Typer(help="Jobs of a running `miles serve`, over its REST API.", no_args_is_help=True)
 
 
-def _call(method: str, api: str, token: str, path: str, **kwargs: Any) -> Any:
-    import httpx
+def _client(api: str, token: str):
+    """The typed API client (miles_control.client); a missing token fails before any request."""
+    from miles_control.client import MilesClient
 
     if not token:
         _fail("no token: pass --token or set MILES_TOKEN (create one with `miles tokens create`)", 2)
+    return MilesClient(api, token)
+
+
+def _api_call(call):
+    """Run `call()`; an API error ends the command with the server's message."""
+    from miles_control.client import ApiError
+
     try:
-        response = httpx.request(
-            method,
-            f"{api.rstrip('/')}/api/v1{path}",
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=30,
-            **kwargs,
-        )
-    except httpx.HTTPError as exc:
-        _fail(f"cannot reach the Miles API at {api} ({type(exc).__name__}); is `miles serve` running?")
-    if response.status_code >= 400:
-        try:
-            detail = response.json().get("detail")
-        except ValueError:
-            detail = response.text
-        if isinstance(detail, list):
-            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
-        _fail(f"{response.status_code}: {detail}")
-    return response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text
+        return call()
+    except ApiError as exc:
+        hint = "; is `miles serve` running?" if exc.status is None else ""
+        _fail(exc.message + hint)
 
 
 @jobs_app.command("list")
@@ -126,34 +120,36 @@ def jobs_list(
     limit: Annotated[int, typer.Option(min=1, max=500)] = 20,
 ) -> None:
     """Newest jobs first."""
-    page = _call("GET", api, token, "/jobs", params={"status": status, "limit": limit})
-    table = Table(title=f"{len(page['items'])} of {page['total']} jobs")
+    client = _client(api, token)
+    page = _api_call(lambda: client.jobs(status=status, limit=limit))
+    table = Table(title=f"{len(page.items)} of {page.total} jobs")
     for col in ("id", "name", "status", "schedule", "step", "created"):
         table.add_column(col)
-    for job in page["items"]:
-        step = f"{job['last_step'] or 0}/{job['num_steps']}"
-        table.add_row(str(job["id"]), escape(job["name"]), job["status"], job["schedule"], step, job["created_at"][:19])
+    for job in page.items:
+        step = f"{job.last_step or 0}/{job.num_steps}"
+        created = job.created_at.isoformat(sep=" ")[:19]
+        table.add_row(str(job.id), escape(job.name), job.status, job.schedule, step, created)
     out.print(table)
 
 
 @jobs_app.command("show")
 def jobs_show(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None:
     """Status, attempts, checkpoints and the newest metrics of a job."""
-    job = _call("GET", api, token, f"/jobs/{job_id}")
-    out.print(f"[bold]job {job['id']}[/] {escape(job['name'])}: [bold]{job['status']}[/] ({job['schedule']}, "
-              f"step {job['last_step'] or 0}/{job['num_steps']})")  # fmt: skip
-    if job["error"]:
-        out.print(f"error: {job['error']}", highlight=False)
-    for a in job["attempts"]:
-        where = f"pid {a['driver_pid']} on {a['driver_host']}" if a["driver_pid"] else a["submission_id"] or ""
-        out.print(f"attempt {a['number']} ({a['launcher']}, from step {a['resume_step']}): {a['status']} {where} "
-                  f"{a['exit_reason'] or ''}", highlight=False)  # fmt: skip
-    if job["checkpoints"]:
-        out.print(f"checkpoints at steps {', '.join(str(c['step']) for c in job['checkpoints'])}")
-    metrics = _call("GET", api, token, f"/jobs/{job_id}/metrics")
+    client = _client(api, token)
+    job = _api_call(lambda: client.job(job_id))
+    out.print(f"[bold]job {job.id}[/] {escape(job.name)}: [bold]{job.status}[/] ({job.schedule}, "
+              f"step {job.last_step or 0}/{job.num_steps})")  # fmt: skip
+    if job.error:
+        out.print(f"error: {job.error}", highlight=False)
+    for a in job.attempts:
+        where = f"pid {a.driver_pid} on {a.driver_host}" if a.driver_pid else a.submission_id or ""
+        out.print(f"attempt {a.number} ({a.launcher}, from step {a.resume_step}): {a.status} {where} "
+                  f"{a.exit_reason or ''}", highlight=False)  # fmt: skip
+    if job.checkpoints:
+        out.print(f"checkpoints at steps {', '.join(str(c.step) for c in job.checkpoints)}")
     latest: dict[str, tuple[int, float]] = {}
-    for point in metrics:
-        latest[point["name"]] = (point["step"], point["value"])
+    for point in _api_call(lambda: client.metrics(job_id)):
+        latest[point.name] = (point.step, point.value)
     if latest:
         table = Table(title="newest value of each metric")
         for col in ("metric", "step", "value"):
@@ -166,16 +162,18 @@ def jobs_show(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None
 @jobs_app.command("cancel")
 def jobs_cancel(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None:
     """Cancel a queued job at once, or stop a running one (its driver gets SIGTERM)."""
-    job = _call("POST", api, token, f"/jobs/{job_id}/cancel")
-    out.print(f"job {job_id}: {job['status']}" + (" (cancel requested)" if job["status"] != "cancelled" else ""))
+    client = _client(api, token)
+    job = _api_call(lambda: client.cancel(job_id))
+    out.print(f"job {job_id}: {job.status}" + (" (cancel requested)" if job.status != "cancelled" else ""))
 
 
 @jobs_app.command("resume")
 def jobs_resume(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None:
     """Queue a failed or cancelled job again; it starts after its last checkpoint."""
-    job = _call("POST", api, token, f"/jobs/{job_id}/resume")
-    last = job["checkpoints"][-1]["step"] if job["checkpoints"] else 0
-    out.print(f"job {job_id}: {job['status']} (resumes after step {last})")
+    client = _client(api, token)
+    job = _api_call(lambda: client.resume(job_id))
+    last = job.checkpoints[-1].step if job.checkpoints else 0
+    out.print(f"job {job_id}: {job.status} (resumes after step {last})")
 
 
 @jobs_app.command("logs")
@@ -187,10 +185,8 @@ def jobs_logs(
     tail: Annotated[int, typer.Option(help="Bytes from the end.")] = 64 << 10,
 ) -> None:
     """The driver log of an attempt."""
-    params: dict[str, Any] = {"tail_bytes": tail}
-    if attempt is not None:
-        params["attempt"] = attempt
-    text = _call("GET", api, token, f"/jobs/{job_id}/logs", params=params)
+    client = _client(api, token)
+    text = _api_call(lambda: client.logs(job_id, attempt, tail))
     out.print(text, markup=False, highlight=False, end="")
 
 
@@ -202,36 +198,26 @@ def jobs_events(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream new events until the job ends.")] = False,
 ) -> None:
     """A job's events (status changes, launches, schedule changes, checkpoints, errors)."""
-    import json
+    client = _client(api, token)
 
-    import httpx
-
-    def show(event: dict) -> None:
-        step = f" step {event['step']}" if event.get("step") is not None else ""
-        out.print(
-            f"{event['created_at'][:19]} [{event['kind']}]{step} {event['message']}", markup=False, highlight=False
-        )
+    def show(created: str, kind: str, step: int | None, message: str) -> None:
+        where = f" step {step}" if step is not None else ""
+        out.print(f"{created[:19]} [{kind}]{where} {message}", markup=False, highlight=False)
 
     if not follow:
-        for event in _call("GET", api, token, f"/jobs/{job_id}/events", params={"limit": 1000}):
-            show(event)
+        for event in _api_call(lambda: client.events(job_id, limit=1000)):
+            show(event.created_at.isoformat(sep=" "), event.kind, event.step, event.message)
         return
-    _call("GET", api, token, f"/jobs/{job_id}")  # a clear error for an unknown job or a bad token
-    url = f"{api.rstrip('/')}/api/v1/jobs/{job_id}/events/stream"
-    try:
-        with httpx.stream("GET", url, headers={"Authorization": f"Bearer {token}"}, timeout=None) as stream:
-            kind = ""
-            for line in stream.iter_lines():
-                if line.startswith("event: "):
-                    kind = line.removeprefix("event: ")
-                elif line.startswith("data: "):
-                    data = json.loads(line.removeprefix("data: "))
-                    if kind == "end":
-                        out.print(f"job {job_id} is {data['status']}")
-                    else:
-                        show(data)
-    except httpx.HTTPError as exc:
-        _fail(f"the event stream broke off ({type(exc).__name__}); run the command again to continue")
+    _api_call(lambda: client.job(job_id))  # a clear error for an unknown job or a bad token
+
+    def follow_stream() -> None:
+        for kind, data, _ in client.stream_events(job_id):
+            if kind == "end":
+                out.print(f"job {job_id} is {data['status']}")
+            else:
+                show(str(data["created_at"]).replace("T", " "), data["kind"], data.get("step"), data["message"])
+
+    _api_call(follow_stream)
 
 
 # --- tokens: directly on the store (who runs this can read the database anyway) -----------------
