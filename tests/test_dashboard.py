@@ -11,7 +11,7 @@ from miles_control.store.tokens import create_token
 from miles_control.testing import ApiServer
 
 ROOT = Path(__file__).resolve().parents[1]
-APP = ROOT / "apps" / "dashboard" / "app.py"
+APP = ROOT / "packages" / "miles-control" / "src" / "miles_control" / "dashboard" / "app.py"
 
 
 def seed_run(store: Store, name: str, schedule: str, num_steps: int, final: JobStatus) -> int:
@@ -51,7 +51,7 @@ def dashboard_api(tmp_path_factory):
     _, token = create_token(store, "dash", "admin")
     done = seed_run(store, "sync-run", "sync", 5, JobStatus.SUCCEEDED)
     running = seed_run(store, "async-run", "fully_async", 50, JobStatus.RUNNING)
-    server = ApiServer(url, tmp, launcher="off").start()
+    server = ApiServer(url, tmp, launcher="off", presets_dir=str(ROOT / "examples")).start()
     yield {"url": server.url, "token": token, "store": store, "done": done, "running": running}
     server.stop()
 
@@ -83,8 +83,10 @@ def test_jobs_page_lists_jobs_and_places_api_errors_on_yaml_lines(app, dashboard
     at.text_area(key="spec_yaml").set_value("name: [unclosed\n").run()
     at.button(key="launch").click().run()
     assert any("Invalid YAML: line" in e.value for e in at.error)
-    at.selectbox(key="preset").set_value("arithmetic").run()  # choosing a preset loads it into the editor
-    assert "name: arithmetic-grpo" in at.text_area(key="spec_yaml").value
+    # the server's presets (its presets_dir), in full; choosing one loads it into the editor
+    assert set(at.selectbox(key="preset").options) == {p.stem for p in (ROOT / "examples").glob("*.yaml")}
+    at.selectbox(key="preset").set_value("arithmetic").run()
+    assert at.text_area(key="spec_yaml").value == (ROOT / "examples" / "arithmetic.yaml").read_text()
     at.selectbox(key="preset").set_value("quick").run()
     assert "name: arithmetic-quick" in at.text_area(key="spec_yaml").value
     at.button(key="launch").click().run()

@@ -38,12 +38,12 @@ def stack(tmp_path):
     url = f"sqlite:///{tmp_path}/miles.db"
     store = Store(url)
     _, token = create_token(store, "browser", "admin")
-    api = ApiServer(url, tmp_path, poll_interval_s="0.3", cpus="2").start()
+    api = ApiServer(url, tmp_path, poll_interval_s="0.3", cpus="2", presets_dir=str(ROOT / "examples")).start()
     port = free_port()
     env = {**os.environ, "MILES_API_URL": api.url, "MILES_TOKEN": token}
     log = open(tmp_path / "dashboard.log", "ab")
     ui = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "apps" / "dashboard" / "app.py"),
+        [sys.executable, "-m", "streamlit", "run", str(ROOT / "packages" / "miles-control" / "src" / "miles_control" / "dashboard" / "app.py"),
          "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip

@@ -181,7 +181,7 @@ def test_operation_ids_are_stable(api):
     ids = sorted(op["operationId"] for path in spec["paths"].values() for op in path.values())
     assert ids == sorted(
         """cancel_job create_job get_events get_job get_logs get_metrics get_samples get_spans get_steps get_summary health
-        list_attempts list_checkpoints list_jobs list_metric_names list_schedule_changes patch_schedule
+        list_attempts list_checkpoints list_jobs list_metric_names list_presets list_schedule_changes patch_schedule
         prometheus_metrics resume_job stream_events""".split()
     )
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"

@@ -29,6 +29,7 @@ def test_calls_return_the_apis_models_and_errors_name_the_field(api):
     admin = MilesClient(api.url, token_of(api.admin))
     reader = MilesClient(api.url, token_of(api.read))
     assert admin.health().status == "ok"
+    assert reader.presets() == []  # this server's presets_dir (examples/ where it runs) does not exist
     created = admin.create_job({"name": "typed", "schedule": {"type": "fully_async", "num_steps": 3}})
     assert isinstance(created, JobDetail) and created.status == "queued" and created.num_steps == 3
     job_id = created.id

@@ -69,16 +69,16 @@ def dashboard(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8501,
     app_path: Annotated[
-        Path | None, typer.Option("--app", help="The dashboard's app.py (default: the repository's).")
+        Path | None, typer.Option("--app", help="The dashboard's app.py (default: the one miles-control ships).")
     ] = None,
 ) -> None:
     """Run the Streamlit dashboard (jobs, live metrics and timelines, schedule tuning, comparisons)."""
     import subprocess
     import sys
 
-    app_file = app_path or Path(__file__).resolve().parents[4] / "apps" / "dashboard" / "app.py"
+    app_file = app_path or Path(__file__).with_name("dashboard") / "app.py"  # shipped as package data
     if not app_file.exists():
-        _fail(f"no dashboard at {app_file}: it lives in the repository's apps/dashboard; pass --app PATH", 2)
+        _fail(f"no dashboard at {app_file}; pass --app PATH", 2)
     cmd = [
         sys.executable, "-m", "streamlit", "run", str(app_file), "--server.address", host, "--server.port", str(port),
         "--server.headless", "true", "--browser.gatherUsageStats", "false",

@@ -25,6 +25,7 @@ from miles_control.api.schemas import (
     JobDetail,
     JobPage,
     MetricPoint,
+    PresetPublic,
     RunSummaryPublic,
     SamplePublic,
     ScheduleChangePublic,
@@ -55,6 +56,7 @@ OPERATIONS: dict[str, tuple[str, str, str]] = {
     "list_attempts": ("GET", "/api/v1/jobs/{job_id}/attempts", "attempts"),
     "list_checkpoints": ("GET", "/api/v1/jobs/{job_id}/checkpoints", "checkpoints"),
     "get_logs": ("GET", "/api/v1/jobs/{job_id}/logs", "logs"),
+    "list_presets": ("GET", "/api/v1/presets", "presets"),
     "prometheus_metrics": ("GET", "/metrics", "prometheus"),
 }
 
@@ -194,6 +196,10 @@ class MilesClient:
 
     def logs(self, job_id: int, attempt: int | None = None, tail_bytes: int = 64 << 10) -> str:
         return self._request("get_logs", job_id, params=_params(attempt=attempt, tail_bytes=tail_bytes)).text
+
+    def presets(self) -> list[PresetPublic]:
+        """Job specs the server offers as starting points (its `presets_dir`)."""
+        return self._call(list[PresetPublic], "list_presets")
 
     def prometheus(self) -> str:
         return self._request("prometheus_metrics").text

@@ -21,7 +21,7 @@ from sqlalchemy import text
 
 from miles_control.api.auth import ReadToken
 from miles_control.api.routes import router
-from miles_control.api.schemas import Health
+from miles_control.api.schemas import Health, PresetPublic
 from miles_control.api.settings import ServerSettings
 from miles_control.launch import Launcher
 from miles_control.store import JobStatus, Store
@@ -193,6 +193,17 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             launcher_error=launcher.last_error,
             version=VERSION,
         )
+
+    @app.get(
+        "/api/v1/presets",
+        response_model=list[PresetPublic],
+        tags=["jobs"],
+        summary="Job specs offered as starting points (the server's presets_dir, *.yaml)",
+    )
+    def list_presets(_: ReadToken) -> list[PresetPublic]:
+        folder = settings.presets_dir
+        files = sorted(folder.glob("*.yaml")) if folder.is_dir() else []
+        return [PresetPublic(name=f.stem, spec_yaml=f.read_text()) for f in files if f.stat().st_size < 1 << 20]
 
     @app.get(
         "/metrics",

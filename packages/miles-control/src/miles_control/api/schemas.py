@@ -165,6 +165,11 @@ class RunSummaryPublic(BaseModel):
     weight_sync_mean_s: float | None
 
 
+class PresetPublic(BaseModel):
+    name: str = Field(description="The file's name without .yaml.")
+    spec_yaml: str = Field(description="The job spec as the file writes it.")
+
+
 class StepPublic(_Out):
     step: int
     weight_version: int

@@ -21,6 +21,9 @@ class ServerSettings(BaseSettings):
     data_dir: Path = Field(Path(".miles"), description="Server state: driver logs, run folders, the local Ray.")
     data_root: Path = Field(Path("data"), description="Prompt files named by job specs must lie under it.")
     model_root: Path = Field(Path("models"), description="Model folders named by job specs must lie under it.")
+    presets_dir: Path = Field(
+        Path("examples"), description="Job specs (*.yaml) offered as presets by GET /presets (the dashboard's)."
+    )
     plugin_modules: list[str] = Field(
         default_factory=list,
         description="Installed modules (and their submodules) whose functions specs may name as rewards by "

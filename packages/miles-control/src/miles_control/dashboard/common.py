@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from datetime import datetime, timezone
-from pathlib import Path
 
 import streamlit as st
 from pydantic import BaseModel
@@ -81,8 +80,3 @@ def choose_job(
     )
     st.session_state["job_id"] = chosen.id
     return chosen
-
-
-def presets_dir() -> Path:
-    """Job spec presets: MILES_PRESETS_DIR, else the repository's examples/."""
-    return Path(os.environ.get("MILES_PRESETS_DIR", Path(__file__).resolve().parents[2] / "examples"))

@@ -2,7 +2,7 @@
 
 import pandas as pd
 import streamlit as st
-from common import ACTIVE, age, api, presets_dir
+from common import ACTIVE, age, api
 from specs import SpecSyntaxError, field_line, parse_yaml
 
 from miles_control.client import ApiError
@@ -48,11 +48,11 @@ else:
     st.info("No jobs match." if statuses or name else "No jobs yet: launch one below.")
 
 st.header("Launch")
-presets = sorted(presets_dir().glob("*.yaml"))
-names = [p.stem for p in presets]
+presets = {p.name: p.spec_yaml for p in client.presets()}  # the server's presets_dir
+names = sorted(presets)
 preset = st.selectbox("Preset", names, index=names.index("quick") if "quick" in names else 0, key="preset")
-if st.session_state.get("loaded_preset") != preset and presets:
-    st.session_state["spec_yaml"] = (presets_dir() / f"{preset}.yaml").read_text()
+if preset is not None and st.session_state.get("loaded_preset") != preset:
+    st.session_state["spec_yaml"] = presets[preset]
     st.session_state["loaded_preset"] = preset
 text = st.text_area("Job spec (YAML)", key="spec_yaml", height=360)
 if st.button("Launch", type="primary", key="launch"):

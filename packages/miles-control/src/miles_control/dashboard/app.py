@@ -1,6 +1,6 @@
 """Miles dashboard: launch jobs, watch their metrics and per-stage timing, tune schedules, compare runs.
 
-Run with `miles dashboard` (or `streamlit run apps/dashboard/app.py`). It talks to the REST API only
+Run with `miles dashboard` (or `streamlit run` on this file: it ships with miles-control as package data). It talks to the REST API only
 (MILES_API_URL, MILES_TOKEN, or the sidebar's connection form) and imports nothing of Miles or torch."""
 
 import streamlit as st
