@@ -28,3 +28,11 @@ def test_a_checkpoint_names_the_fields_in_which_its_layout_differs(tmp_path):
 def test_a_folder_without_trainer_state_is_not_a_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"is not a trainer checkpoint: no {STATE_FILE}"):
         TrainerState.read(tmp_path)
+
+
+def test_a_field_the_checkpoint_does_not_record_is_not_compared(tmp_path):
+    """Written before trainer_state.json recorded padded_vocab: loadable by the same layout."""
+    (tmp_path / STATE_FILE).write_text(json.dumps({"backend": "torchtitan", "step": 4, "tensor_parallel_size": 2}))
+    state = TrainerState.read(tmp_path)
+    assert state.padded_vocab is None
+    state.check_loadable_by(TrainerState("torchtitan", 0, 2, 2, padded_vocab=20), ("padded_vocab",), tmp_path)

@@ -170,7 +170,11 @@ class MilesClient:
             with self.http.stream(method, url, headers=headers, timeout=None) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise ApiError(response.status_code, response.json().get("detail", response.text))
+                    try:
+                        detail = response.json().get("detail", response.text)
+                    except ValueError:
+                        detail = response.text
+                    raise ApiError(response.status_code, detail)
                 kind, event_id = "", None
                 for line in response.iter_lines():
                     if line.startswith("id: "):

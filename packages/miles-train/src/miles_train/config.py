@@ -99,6 +99,14 @@ class GRPOConfig(_Strict):
         1, ge=0, description="staleness: drop gives zero weight to samples more than this many versions old."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_name(cls, data: Any) -> Any:
+        """Jobs stored before the rename keep `staleness_max` in their spec: read it as `drop_older_than`."""
+        if isinstance(data, dict) and "staleness_max" in data and "drop_older_than" not in data:
+            data = {k: v for k, v in data.items() if k != "staleness_max"} | {"drop_older_than": data["staleness_max"]}
+        return data
+
     @model_validator(mode="after")
     def _tis_needs_recompute(self) -> GRPOConfig:
         if self.tis_cap is not None and self.old_logprobs == "rollout":

@@ -213,6 +213,8 @@ class RolloutWorker:
         if self._thread is not None:
             raise RuntimeError("start_stream: the stream already runs")
         self.buffer = StalenessBuffer(capacity)
+        self._regenerate, self._timings, self._sampling = [], [], None
+        self._stream_error, self._next_group = None, 0
         self._running.set()
         self._thread = threading.Thread(target=self._stream, args=(chunk_prompts,), daemon=True, name="rollout")
         self._thread.start()

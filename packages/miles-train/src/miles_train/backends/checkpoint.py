@@ -44,7 +44,11 @@ class TrainerState:
 
     def check_loadable_by(self, mine: TrainerState, must_match: tuple[str, ...], directory: Path) -> None:
         """Raise naming each field of `must_match` (and the backend) in which this checkpoint differs."""
-        differ = [name for name in ("backend", *must_match) if getattr(self, name) != getattr(mine, name)]
+        differ = [  # a field the checkpoint does not record (written before it existed) is not compared
+            name
+            for name in ("backend", *must_match)
+            if getattr(self, name) is not None and getattr(self, name) != getattr(mine, name)
+        ]
         if differ:
             written = ", ".join(f"{name} {getattr(self, name)}" for name in differ)
             here = ", ".join(f"{name} {getattr(mine, name)}" for name in differ)

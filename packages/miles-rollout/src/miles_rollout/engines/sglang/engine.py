@@ -78,18 +78,14 @@ class SGLangEngine:
             self._check_reachable(slot.url)
         # A checkpoint may still carry the head of a tied model; SGLang skips it, and so does the check.
         initial = list(without_tied_head(folder_tensors(self.model_path), self._tied))
-        with self._busy:  # no recovery before the parts exist and the servers are verified
-            self.router = Router(
-                self.slots, self._recover, config.health_interval_s, config.health_timeout_s, self._busy
-            )
-            self._pause = PauseControl(self.slots, self.router, self._calls)
-            self._dispatcher = Dispatcher(config, self.slots, self.router)
-            self._weights = WeightLoader(
-                self.name, self.slots, self.router, self._calls, self._pause, self._dtype_name, initial
-            )
-            if config.verify_weights:
-                for slot in self.slots:
-                    self._weights.verify(slot, self._weight_version)
+        self._weights = WeightLoader(self.name, self.slots, self._calls, self._dtype_name, initial)
+        if config.verify_weights:  # before the router's health checks start
+            for slot in self.slots:
+                self._weights.verify(slot, self._weight_version)
+        self.router = Router(self.slots, self._recover, config.health_interval_s, config.health_timeout_s, self._busy)
+        self._pause = PauseControl(self.slots, self.router, self._calls)
+        self._dispatcher = Dispatcher(config, self.slots, self.router)
+        self._weights.attach(self.router, self._pause)
 
     def _launch(self, index: int) -> SGLangServer:
         return SGLangServer(self.model_path, self.config, self._dtype_name, index, self._log_dir, self.seed)

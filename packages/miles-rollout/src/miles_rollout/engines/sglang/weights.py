@@ -44,19 +44,23 @@ class WeightLoader:
     """Loads versions into the admitted servers and checks them; `current` is the version they must hold."""
 
     def __init__(
-        self,
-        name: str,
-        slots: list[Slot],
-        router: Router,
-        calls: ServerCalls,
-        pause: PauseControl,
-        dtype_name: str,
-        initial: list[NamedTensor],
+        self, name: str, slots: list[Slot], calls: ServerCalls, dtype_name: str, initial: list[NamedTensor]
     ) -> None:
-        self.name, self.slots, self.router, self.calls, self.pause = name, slots, router, calls, pause
+        self.name, self.slots, self.calls = name, slots, calls
+        self.router: Router | None = None  # attach(): loading needs them, the start-up check does not
+        self.pause: PauseControl | None = None
         self.dtype_name = dtype_name
         self.wire_dtype: str | None = None  # of the last push: the dtype the fingerprint names
         self.set_current(initial)
+
+    def attach(self, router: Router, pause: PauseControl) -> None:
+        """The router (quarantine on a failed load) and the pause state (when a load may flush the cache)."""
+        self.router, self.pause = router, pause
+
+    def _parts(self) -> tuple[Router, PauseControl]:
+        if self.router is None or self.pause is None:
+            raise RuntimeError("sglang engine: weights loaded before the engine finished starting")
+        return self.router, self.pause
 
     # ---- the current version --------------------------------------------------------------------
 
@@ -114,9 +118,9 @@ class WeightLoader:
         }
 
         def load(slot: Slot) -> None:
-            self.calls.post(slot.url, "/update_weights_from_disk", {**body, **self.pause.cache_flush_flag(slot)})
+            self.calls.post(slot.url, "/update_weights_from_disk", {**body, **self._parts()[1].cache_flush_flag(slot)})
 
-        on_admitted(self.slots, self.router, load, "disk update")
+        on_admitted(self.slots, self._parts()[0], load, "disk update")
 
     def _load_tensor(self, handle: WeightHandle) -> None:
         # Rebuilding from the handle maps the sender's shared memory (no copy); each server rank then gets
@@ -124,7 +128,10 @@ class WeightLoader:
         buckets = list(read_buckets(handle))
         self._accept(handle, [(name, tensor.clone()) for bucket in buckets for name, tensor in bucket])
         on_admitted(
-            self.slots, self.router, lambda s: self.load_buckets(s, buckets, handle.weight_version), "tensor update"
+            self.slots,
+            self._parts()[0],
+            lambda s: self.load_buckets(s, buckets, handle.weight_version),
+            "tensor update",
         )
 
     def load_buckets(self, slot: Slot, buckets: list[list[NamedTensor]], version: int) -> None:
@@ -137,7 +144,7 @@ class WeightLoader:
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 payloads = [serialize_bucket(bucket) for _ in range(tp_size(slot))]
-                body = {"serialized_named_tensors": payloads, **self.pause.cache_flush_flag(slot, last)}
+                body = {"serialized_named_tensors": payloads, **self._parts()[1].cache_flush_flag(slot, last)}
                 if last:
                     body["weight_version"] = str(version)
                 self.calls.post(slot.url, "/update_weights_from_tensor", body)
@@ -221,7 +228,11 @@ class WeightLoader:
                     body["weight_version"] = str(handle.weight_version)
                 loads = [
                     pool.submit(
-                        self._load_distributed, s.url, {**body, **self.pause.cache_flush_flag(s, last)}, joins[i], index
+                        self._load_distributed,
+                        s.url,
+                        {**body, **self._parts()[1].cache_flush_flag(s, last)},
+                        joins[i],
+                        index,
                     )
                     for i, s in enumerate(admitted)
                 ]

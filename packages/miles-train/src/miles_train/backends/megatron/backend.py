@@ -190,8 +190,10 @@ class MegatronBackend(GRPOBackend):
         """The common checkpoint (backends/checkpoint.py) with each rank's optimizer state (Megatron's layout:
         loadable on the same world_size and tensor_parallel_size)."""
         weights = {name: t.contiguous() for name, t in self.export_weights()}
+        with cpu.on_cpu():
+            optimizer_state = self.optimizer.state_dict()
         save_checkpoint(
-            directory, self.rank, self.hf_config, weights, self._state(), self.optimizer.state_dict(),
+            directory, self.rank, self.hf_config, weights, self._state(), optimizer_state,
             per_rank_optimizer=True, optimizer_io=cpu.on_cpu,
         )  # fmt: skip
 
