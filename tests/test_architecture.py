@@ -33,18 +33,23 @@ DIST_OF = {
 }
 
 
-def imports_of(folder: Path) -> dict[str, set[str]]:
-    """Top-level module names imported by each file under `folder`."""
+def full_imports_of(folder: Path) -> dict[str, set[str]]:
+    """Full module names imported by each file under `folder`."""
     found: dict[str, set[str]] = {}
     for path in folder.rglob("*.py"):
         names = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
+                names |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
+                names.add(node.module)
         found[str(path.relative_to(ROOT))] = names
     return found
+
+
+def imports_of(folder: Path) -> dict[str, set[str]]:
+    """Top-level module names imported by each file under `folder`."""
+    return {f: {n.split(".")[0] for n in names} for f, names in full_imports_of(folder).items()}
 
 
 @pytest.mark.parametrize("module", sorted(PACKAGES))
@@ -124,20 +129,6 @@ def test_each_package_builds_a_wheel_alone(dist, tmp_path):
     }
     missing = [name for name in data.get(module, []) if name not in names]
     assert not missing, f"the {dist} wheel lacks {missing}"
-
-
-def full_imports_of(folder: Path) -> dict[str, set[str]]:
-    """Full module names imported by each file under `folder`."""
-    found: dict[str, set[str]] = {}
-    for path in folder.rglob("*.py"):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module)
-        found[str(path.relative_to(ROOT))] = names
-    return found
 
 
 def test_the_dashboard_talks_to_the_api_only():
