@@ -56,9 +56,7 @@ def push(engine, sender, weights, version: int) -> tuple[float, float]:
             engine.receive(handle)
         finally:
             await engine.resume()
-        wait = getattr(sender, "wait", None)
-        if wait is not None:
-            wait(600)
+        sender.wait()
         return published, time.perf_counter() - start
 
     return asyncio.run(run())
@@ -77,7 +75,7 @@ def main() -> None:
 
     from miles_rollout import GenerateRequest, SamplingParams, build_engine
     from miles_rollout.config import SGLangEngineConfig
-    from miles_sync import SyncConfig, build_sender
+    from miles_sync import build_sender, sync_config
 
     sizes = ["4 MB"] if args.quick else (args.sizes or list(SIZES))
     repeats = 1 if args.quick else args.repeats
@@ -96,7 +94,9 @@ def main() -> None:
         try:
             for transport in TRANSPORTS:
                 sender = build_sender(
-                    SyncConfig(transport=transport, dir=str(workdir / transport)),
+                    sync_config(
+                        transport=transport, **({"dir": str(workdir / transport)} if transport == "disk" else {})
+                    ),
                     num_receivers=engine.broadcast_ranks,
                 )
                 times, publish_times = [], []

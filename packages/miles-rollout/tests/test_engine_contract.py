@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from miles_rollout import FinishReason, GenerateRequest, HFEngineConfig, RolloutEngine, SamplingParams, build_engine
 from miles_rollout.config import SGLangEngineConfig
-from miles_sync import SyncConfig, build_sender, weight_fingerprint
+from miles_sync import DiskSync, build_sender, sync_config, weight_fingerprint
 
 ENGINE_CONFIGS = {"hf": HFEngineConfig()}
 if importlib.util.find_spec("sglang") is not None:
@@ -41,9 +41,7 @@ def engine(module_engine, tiny_model_dir, tmp_path):
 
 def publish(weights, version: int, folder, bucket_bytes: int = 64 << 20):
     """Publish through the disk transport, which every engine accepts."""
-    return build_sender(SyncConfig(transport="disk", dir=str(folder), bucket_bytes=bucket_bytes)).publish(
-        weights, weight_version=version
-    )
+    return build_sender(DiskSync(dir=str(folder), bucket_bytes=bucket_bytes)).publish(weights, weight_version=version)
 
 
 def requests(n: int, sampling: SamplingParams) -> list[GenerateRequest]:
@@ -179,15 +177,15 @@ def test_tiny_top_p_samples_the_greedy_token(engine):
 @pytest.mark.parametrize("transport", ["disk", "tensor", "broadcast"])
 def test_every_transport_loads_and_passes_the_equality_check(engine, tiny_model_dir, tmp_path, transport):
     weights = new_weights(tiny_model_dir)
-    config = SyncConfig(transport=transport, dir=str(tmp_path / "w"), bucket_bytes=8192, timeout_s=60)
+    where = {"disk": {"dir": str(tmp_path / "w")}, "broadcast": {"timeout_s": 60}}.get(transport, {})
+    config = sync_config(transport=transport, bucket_bytes=8192, **where)
     sender = build_sender(config, num_receivers=engine.broadcast_ranks)
     try:
         for version in (7, 8):
             handle = sender.publish(weights, weight_version=version)
             assert handle.num_buckets > 1  # several buckets travel, in order
             assert engine.receive(handle) == handle.fingerprint == weight_fingerprint(weights)
-            if transport == "broadcast":
-                sender.wait(30)
+            sender.wait()  # a no-op but for broadcast, whose sender finishes in the background
             assert engine.weight_version == version
             assert engine.weight_fingerprint() == handle.fingerprint
             weights = [(n, t + 0.01) for n, t in weights]

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from miles_rollout import FinishReason, GenerateRequest, SamplingParams, build_engine
 from miles_rollout.config import SGLangEngineConfig
-from miles_sync import SyncConfig, build_sender
+from miles_sync import DiskSync, build_sender
 
 pytestmark = [
     pytest.mark.sglang,
@@ -60,7 +60,7 @@ def test_least_outstanding_spreads_calls_over_both_servers(engine):
 def test_paused_servers_are_not_mistaken_for_unhealthy(engine, tiny_model_dir, tmp_path):
     """A paused server does not answer /health_generate; pushes must not get it quarantined."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    sender = build_sender(SyncConfig(transport="disk", dir=str(tmp_path / "w")))
+    sender = build_sender(DiskSync(dir=str(tmp_path / "w")))
     events = [len(s.events) for s in engine.slots]
 
     async def push(version: int) -> None:
@@ -101,7 +101,7 @@ def test_unhealthy_server_is_quarantined_then_readmitted(engine):
 def test_kill_9_mid_rollout_restarts_and_loses_nothing(engine, tiny_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     weights = [(n, p.detach() + 0.02) for n, p in model.named_parameters()]
-    sender = build_sender(SyncConfig(transport="disk", dir=str(tmp_path / "w")))
+    sender = build_sender(DiskSync(dir=str(tmp_path / "w")))
     handle = sender.publish(weights, weight_version=3)
     assert engine.receive(handle) == handle.fingerprint
 

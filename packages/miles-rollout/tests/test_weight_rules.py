@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from miles_rollout import HFEngineConfig, build_engine
 from miles_rollout.engines.checks import held_fingerprint
-from miles_sync import SyncConfig, build_sender, weight_fingerprint, without_tied_head
+from miles_sync import DiskSync, build_sender, weight_fingerprint, without_tied_head
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_the_hf_engine_runs_the_checkpoint_dtype_and_takes_a_tied_head_once(tied
     engine = build_engine(HFEngineConfig(), tied_bf16)
     assert engine.dtype == "bfloat16"  # dtype auto: the checkpoint's
     weights = trained(tied_bf16)
-    sender = build_sender(SyncConfig(dtype="bfloat16", dir=str(tmp_path)))
+    sender = build_sender(DiskSync(dtype="bfloat16", dir=str(tmp_path)))
     with pytest.raises(ValueError, match=r"unknown weights \['lm_head.weight'\] \(lm_head.weight: the model ties"):
         engine.receive(sender.publish(weights, weight_version=1))
     handle = sender.publish(without_tied_head(weights, tied=True), weight_version=1)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
-from miles_sync import TRANSPORTS, SyncConfig, build_sender, read_buckets, weight_fingerprint
+from miles_sync import TRANSPORTS, BroadcastSync, DiskSync, build_sender, read_buckets, sync_config, weight_fingerprint
 
 
 def sample_weights() -> list[tuple[str, torch.Tensor]]:
@@ -41,7 +42,9 @@ def transport(request):
 
 
 def make_sender(transport: str, tmp_path, **kwargs):
-    return build_sender(SyncConfig(transport=transport, dir=str(tmp_path / "w"), **kwargs))
+    if transport == "disk":
+        kwargs.setdefault("dir", str(tmp_path / "w"))
+    return build_sender(sync_config(transport=transport, **kwargs))
 
 
 def test_round_trip_is_bit_exact(transport, tmp_path):
@@ -182,18 +185,18 @@ def test_broadcast_without_receivers_times_out_with_a_clear_error(tmp_path):
     sender = make_sender("broadcast", tmp_path, timeout_s=2)
     sender.publish(sample_weights(), weight_version=1)
     with pytest.raises(RuntimeError, match="broadcast transport: sending failed"):
-        sender.wait(30)
+        sender.wait()
 
 
 def test_broadcast_group_counts_every_receiver(tmp_path):
     with pytest.raises(ValueError, match="num_receivers must be at least 1"):
-        build_sender(SyncConfig(transport="broadcast"), num_receivers=0)
-    sender = build_sender(SyncConfig(transport="broadcast"), num_receivers=3)
+        build_sender(BroadcastSync(), num_receivers=0)
+    sender = build_sender(BroadcastSync(timeout_s=60), num_receivers=3)
     handle = sender.publish(sample_weights(), weight_version=1)
     assert handle.group["world_size"] == 4 and handle.group["backend"] == "gloo"
     readers = [read_in_subprocess(handle, rank) for rank in (1, 2, 3)]
     outs = [r.communicate(timeout=120)[0].decode().strip() for r in readers]
-    sender.wait(60)
+    sender.wait()
     assert outs == [handle.fingerprint] * 3
     sender.close()
 
@@ -219,11 +222,11 @@ def test_a_tied_head_is_never_published():
     ],
 )
 def test_wire_dtype_resolves_against_the_engines(wire, engines, resolved, refused):
-    config = SyncConfig(dtype=wire)
+    config = DiskSync(dtype=wire)
     if refused:
         with pytest.raises(ValueError, match=refused):
             config.for_engines(engines)
-        assert SyncConfig(dtype=wire, check_weights=False).for_engines(engines).dtype == wire  # unchecked: allowed
+        assert DiskSync(dtype=wire, check_weights=False).for_engines(engines).dtype == wire  # unchecked: allowed
     else:
         assert config.for_engines(engines).dtype == resolved
 
@@ -234,4 +237,26 @@ def test_wire_dtype_resolves_against_the_engines(wire, engines, resolved, refuse
 )
 def test_the_precision_the_engines_run_after_a_push(wire, engines, runs):
     """What the trainer must forward with to train the engines' policy: bf16 sent to fp32 engines is bf16 there."""
-    assert SyncConfig(dtype=wire).for_engines(engines).pushed_precision(engines) == runs
+    assert DiskSync(dtype=wire).for_engines(engines).pushed_precision(engines) == runs
+
+
+def test_each_transport_takes_only_its_own_fields():
+    """`sync` is a union told apart by `transport`: a field of another transport is refused by name."""
+    assert isinstance(sync_config(), DiskSync)  # the default transport
+    assert sync_config(transport="broadcast", master_port=29500).master_port == 29500
+    for fields, field in [
+        ({"transport": "tensor", "dir": "/tmp/x"}, "dir"),
+        ({"master_port": 29500}, "master_port"),  # disk (the default) has no rendezvous
+        ({"transport": "inproc", "keep_versions": 3}, "keep_versions"),
+        ({"transport": "disk", "timeout_s": 5}, "timeout_s"),
+    ]:
+        with pytest.raises(ValidationError, match=f"{field}\\n  Extra inputs are not permitted"):
+            sync_config(**fields)
+    with pytest.raises(ValidationError, match="sync.transport must be one of inproc, disk, tensor, broadcast"):
+        sync_config(transport="rdma")
+
+
+def test_a_run_places_only_what_the_transport_leaves_to_it(tmp_path):
+    assert DiskSync().placed(str(tmp_path)).dir == str(tmp_path)
+    assert DiskSync(dir="/data/w").placed(str(tmp_path)).dir == "/data/w"  # a shared path the user chose stays
+    assert sync_config(transport="tensor").placed(str(tmp_path)) == sync_config(transport="tensor")

@@ -26,9 +26,9 @@ def checkpoint_weights(model_dir: Path) -> list:
 
 def reset_engine(engine, model_dir: Path, engine_dtype: str, folder: Path) -> None:
     """Back to the checkpoint's weights (an earlier run left its own), checked as every push is."""
-    from miles_sync import SyncConfig, build_sender
+    from miles_sync import DiskSync, build_sender
 
-    sender = build_sender(SyncConfig(transport="disk", dir=str(folder)).for_engines(engine_dtype))
+    sender = build_sender(DiskSync(dir=str(folder)).for_engines(engine_dtype))
     handle = sender.publish(checkpoint_weights(model_dir), weight_version=0)
     if engine.receive(handle) != handle.fingerprint:
         raise RuntimeError("reset: the engine does not hold the checkpoint's weights")
@@ -51,11 +51,11 @@ def run_steps(
     weights matched the push, what was sent, and timings. The reward is a fixed function of the response's
     token ids (groups get different rewards, so advantages are not zero)."""
     from miles_rollout import GenerateRequest, SamplingParams
-    from miles_sync import SyncConfig, build_sender
+    from miles_sync import TensorSync, build_sender
     from miles_train import TrainConfig, build_backend
     from miles_train.types import TrainBatch
 
-    sync = SyncConfig(transport="tensor").for_engines(engine_dtype)  # what a job's runtime resolves (sync.dtype: auto)
+    sync = TensorSync().for_engines(engine_dtype)  # what a job's runtime resolves (sync.dtype: auto)
     backend = build_backend(TrainConfig.model_validate(train), model_dir, 0, 1, f"tcp://127.0.0.1:{free_port()}")
     backend.set_push_dtype(sync.pushed_precision(engine_dtype))
     sender = build_sender(sync)

@@ -8,6 +8,12 @@ from miles_sync.lazy import lazy_exports
 
 _EXPORTS = {
     "SyncConfig": "config",
+    "SyncBase": "config",
+    "InprocSync": "config",
+    "DiskSync": "config",
+    "TensorSync": "config",
+    "BroadcastSync": "config",
+    "sync_config": "config",
     "Fingerprinter": "fingerprint",
     "weight_fingerprint": "fingerprint",
     "WeightReceiver": "protocol",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 TransportName = Literal["inproc", "disk", "tensor", "broadcast"]
 WireDtype = Literal["float32", "bfloat16", "float16"]
@@ -17,17 +17,13 @@ def holds_exactly(held: str, sent: str) -> bool:
     return held == sent or (held == "float32" and sent in ("bfloat16", "float16"))
 
 
-class SyncConfig(BaseModel):
-    """How trainer weights reach the rollout engines."""
+class SyncBase(BaseModel):
+    """Fields every transport has; one subclass per transport adds its own (`SyncConfig` is their union,
+    told apart by `transport`)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
 
-    transport: TransportName = Field(
-        "disk",
-        description="inproc: tensors travel inside the handle (same process or Ray object store); "
-        "disk: safetensors files in `dir`, one per bucket; tensor: shared memory (CUDA IPC on GPU), same "
-        "machine only; broadcast: torch.distributed broadcast from the trainer to the engines (gloo | nccl).",
-    )
+    transport: TransportName
     bucket_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Maximum bytes per bucket.")
     dtype: WireDtype | Literal["auto"] | None = Field(
         AUTO,
@@ -36,27 +32,15 @@ class SyncConfig(BaseModel):
         "hold and the weight check compares like with like; None: as the trainer holds them (fp32 master "
         "weights). A sender built outside a job treats auto as None.",
     )
-    dir: str | None = Field(
-        None, description="Folder for the disk transport; a temporary folder under the run when None."
-    )
-    keep_versions: int = Field(
-        2, ge=1, description="disk and tensor transports: how many published versions to keep readable."
-    )
-    master_address: str = Field("127.0.0.1", description="broadcast: address the trainer's rank 0 listens on.")
-    master_port: int | None = Field(
-        None, ge=1, le=65535, description="broadcast: rendezvous port; a free port when None."
-    )
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="broadcast: process-group backend; auto is nccl with a GPU, gloo without."
-    )
-    timeout_s: float = Field(
-        300.0, gt=0, description="broadcast: how long to wait for receivers to join or take a bucket."
-    )
     check_weights: bool = Field(
         True, description="After every push, compare the engine's weight fingerprint with the trainer's."
     )
 
-    def for_engines(self, engine_dtype: str) -> SyncConfig:
+    def placed(self, run_dir: str) -> Self:
+        """This config with what it leaves to the run (a folder) filled in under `run_dir`."""
+        return self
+
+    def for_engines(self, engine_dtype: str) -> Self:
         """This config with `dtype: auto` resolved to the dtype the engines hold. A wire dtype the engines cannot
         hold exactly is refused while `check_weights` is on: they would round what they receive, and no push
         could pass the check."""
@@ -81,3 +65,69 @@ class SyncConfig(BaseModel):
         if self.dtype in (None, AUTO) or not holds_exactly(engine_dtype, self.dtype):
             return engine_dtype
         return self.dtype
+
+
+class InprocSync(SyncBase):
+    """inproc: tensors travel inside the handle (same process, or Ray's object store)."""
+
+    transport: Literal["inproc"] = "inproc"
+
+
+class DiskSync(SyncBase):
+    """disk: safetensors files, one per bucket, in a version folder under `dir` (a shared path across nodes)."""
+
+    transport: Literal["disk"] = "disk"
+    dir: str | None = Field(None, description="Folder of the published versions; `weights/` under the run when None.")
+    keep_versions: int = Field(2, ge=1, description="How many published versions stay readable.")
+
+    def placed(self, run_dir: str) -> Self:
+        return self if self.dir is not None else self.model_copy(update={"dir": run_dir})
+
+
+class TensorSync(SyncBase):
+    """tensor: shared memory handles (same machine only)."""
+
+    transport: Literal["tensor"] = "tensor"
+    keep_versions: int = Field(2, ge=1, description="How many published versions stay readable.")
+
+
+class BroadcastSync(SyncBase):
+    """broadcast: torch.distributed broadcast from the trainer's rank 0 to every engine rank."""
+
+    transport: Literal["broadcast"] = "broadcast"
+    master_address: str = Field("127.0.0.1", description="Address the trainer's rank 0 listens on.")
+    master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port; a free port when None.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend; auto is nccl with a GPU, gloo without."
+    )
+    timeout_s: float = Field(300.0, gt=0, description="How long to wait for receivers to join or take a bucket.")
+
+
+DEFAULT_TRANSPORT: TransportName = "disk"
+
+
+def _transport_of(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("transport", DEFAULT_TRANSPORT)
+    return getattr(value, "transport", DEFAULT_TRANSPORT)
+
+
+SyncConfig = Annotated[
+    Annotated[InprocSync, Tag("inproc")]
+    | Annotated[DiskSync, Tag("disk")]
+    | Annotated[TensorSync, Tag("tensor")]
+    | Annotated[BroadcastSync, Tag("broadcast")],
+    Discriminator(
+        _transport_of,
+        custom_error_type="unknown_transport",
+        custom_error_message="sync.transport must be one of inproc, disk, tensor, broadcast",
+    ),
+]
+"""The weight-transfer section of a job: one model per transport, chosen by `transport` (default: disk)."""
+
+_ADAPTER: TypeAdapter[SyncConfig] = TypeAdapter(SyncConfig)
+
+
+def sync_config(**fields: Any) -> SyncConfig:
+    """A validated `SyncConfig` from keyword fields (`transport` picks the model; default disk)."""
+    return _ADAPTER.validate_python(fields)

@@ -15,6 +15,10 @@ class WeightSender(Protocol):
 
     def publish(self, named_tensors: NamedTensors, weight_version: int) -> WeightHandle: ...
 
+    def wait(self) -> None:
+        """Block until the last published version reached the receivers; raise if sending failed."""
+        ...
+
     def close(self) -> None: ...
 
 

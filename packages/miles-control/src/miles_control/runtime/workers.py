@@ -99,7 +99,7 @@ class TrainerWorker:
         import torch
 
         from miles_control.config import JobSpec
-        from miles_sync import SyncConfig, build_sender
+        from miles_sync import build_sender
         from miles_train import build_backend
 
         faulthandler.enable()  # a crash in native code leaves a Python stack in the worker's log
@@ -114,8 +114,7 @@ class TrainerWorker:
         self.backend.set_push_dtype(pushed_precision)  # the policy the engines run: what the trainer forwards with
         self.sender = None
         if rank == 0:
-            sync: SyncConfig = job.sync.model_copy(update={"dir": job.sync.dir or weights_dir})
-            self.sender = build_sender(sync, num_receivers=num_receivers)
+            self.sender = build_sender(job.sync.placed(weights_dir), num_receivers=num_receivers)
 
     def train_step(self, batch) -> TrainResult:
         start = time.time()
@@ -136,9 +135,8 @@ class TrainerWorker:
 
     def wait_published(self) -> None:
         """Transports that send in the background (broadcast) finish here and report their errors."""
-        wait = getattr(self.sender, "wait", None)
-        if wait is not None:
-            wait(self.sender.config.timeout_s)
+        if self.sender is not None:
+            self.sender.wait()
 
     def save(self, directory: str) -> None:
         self.backend.save(directory)

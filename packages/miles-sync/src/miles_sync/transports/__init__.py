@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from miles_sync.config import SyncConfig
+from miles_sync.config import BroadcastSync, SyncConfig
 from miles_sync.protocol import WeightSender
 from miles_sync.transports.broadcast import BroadcastSender, read_broadcast
 from miles_sync.transports.disk import DiskSender, read_disk
@@ -30,7 +30,7 @@ TRANSPORTS = tuple(_SENDERS)
 
 def build_sender(config: SyncConfig, num_receivers: int = 1) -> WeightSender:
     """The sender of `config.transport`; `num_receivers` is the number of receiving ranks (broadcast only)."""
-    if config.transport == "broadcast":
+    if isinstance(config, BroadcastSync):
         return BroadcastSender(config, num_receivers)
     return _SENDERS[config.transport](config)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from miles_sync.bucketing import cast_for_wire, iter_buckets, wire_dtype
-from miles_sync.config import SyncConfig
+from miles_sync.config import SyncBase
 from miles_sync.fingerprint import Fingerprinter
 from miles_sync.types import NamedTensor, NamedTensors, WeightHandle
 
@@ -13,7 +13,7 @@ class BucketedSender:
 
     name = "base"
 
-    def __init__(self, config: SyncConfig) -> None:
+    def __init__(self, config: SyncBase) -> None:
         self.config = config
         self._dtype = wire_dtype(config.dtype)
 
@@ -42,6 +42,10 @@ class BucketedSender:
                 dtype=None if self._dtype is None else self.config.dtype,
             )
         )
+
+    def wait(self) -> None:
+        """Block until the last published version has reached the receivers and raise the transport's error if
+        it failed. Senders that finish inside `publish` (all but broadcast) return at once."""
 
     def close(self) -> None:
         pass

@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch
 
-from miles_sync.config import SyncConfig
+from miles_sync.config import BroadcastSync
 from miles_sync.transports.base import BucketedSender
 from miles_sync.types import NamedTensor, WeightHandle
 
@@ -103,17 +103,18 @@ class BroadcastSender(BucketedSender):
 
     name = "broadcast"
 
-    def __init__(self, config: SyncConfig, num_receivers: int = 1) -> None:
+    def __init__(self, config: BroadcastSync, num_receivers: int = 1) -> None:
         super().__init__(config)
         if num_receivers < 1:
             raise ValueError(f"broadcast transport: num_receivers must be at least 1, got {num_receivers}")
         self.num_receivers = num_receivers
         self.backend = config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         self._thread: threading.Thread | None = None
+        self._num_buckets = 0
         self._error: BaseException | None = None
 
     def _begin(self, weight_version: int) -> None:
-        self.wait()  # one version at a time on the wire
+        self.wait()  # one version at a time on the wire (at most timeout_s: receivers that never join fail here)
         self._buckets: list[list[NamedTensor]] = []
         self._layout: list[list[tuple[str, str, list[int]]]] = []
 
@@ -140,6 +141,7 @@ class BroadcastSender(BucketedSender):
             "timeout_s": self.config.timeout_s,
         }
         buckets, self._error = self._buckets, None
+        self._num_buckets = len(buckets)
         self._thread = threading.Thread(
             target=self._send, args=(rendezvous, buckets), name="miles-broadcast", daemon=True
         )
@@ -163,8 +165,10 @@ class BroadcastSender(BucketedSender):
             if group is not None:
                 torch.distributed.destroy_process_group(group)
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the last published version is fully broadcast; raise the sender's error if any."""
+    def wait(self) -> None:
+        """Block until the last published version is fully broadcast; raise the sender's error if any. The
+        rendezvous and each bucket have `timeout_s` each, and the sending thread fails on its own past them."""
+        timeout_s = self.config.timeout_s * (1 + self._num_buckets)
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -175,7 +179,7 @@ class BroadcastSender(BucketedSender):
             raise RuntimeError(f"broadcast transport: sending failed: {error}") from error
 
     def close(self) -> None:
-        self.wait(self.config.timeout_s)
+        self.wait()
 
 
 class _GlooReceiver:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from miles_sync.config import SyncConfig
+from miles_sync.config import DiskSync
 from miles_sync.transports.base import BucketedSender
 from miles_sync.types import NamedTensor, WeightHandle
 
@@ -25,7 +25,7 @@ MANIFEST = "manifest.json"
 class DiskSender(BucketedSender):
     name = "disk"
 
-    def __init__(self, config: SyncConfig) -> None:
+    def __init__(self, config: DiskSync) -> None:
         super().__init__(config)
         self._published: list[Path] = []
         if config.dir is None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing
 
-from miles_sync.config import SyncConfig
+from miles_sync.config import TensorSync
 from miles_sync.transports.base import BucketedSender
 from miles_sync.types import NamedTensor, WeightHandle
 
@@ -56,7 +56,7 @@ def deserialize_bucket(payload: str) -> list[NamedTensor]:
 class TensorSender(BucketedSender):
     name = "tensor"
 
-    def __init__(self, config: SyncConfig) -> None:
+    def __init__(self, config: TensorSync) -> None:
         super().__init__(config)
         use_file_system_sharing()
         self._alive: list[tuple[list[list[NamedTensor]], list[str]]] = []  # per kept version: buckets, shm files
