@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from miles_control.config import JobSpec
 from miles_control.store import JobStatus, Store
 from miles_control.store.tokens import create_token
 from miles_control.testing import ApiServer
@@ -15,8 +16,7 @@ APP = ROOT / "packages" / "miles-control" / "src" / "miles_control" / "dashboard
 
 
 def seed_run(store: Store, name: str, schedule: str, num_steps: int, final: JobStatus) -> int:
-    spec = {"name": name, "schedule": {"type": schedule, "num_steps": num_steps, "update_weights_interval": 1,
-            "max_staleness": 1, "pause_mode": "in_place", "buffer_groups": None}}  # fmt: skip
+    spec = JobSpec(name=name, schedule={"type": schedule, "num_steps": num_steps}).model_dump(mode="json")
     job = store.create_job(name, spec, source="api")
     store.set_status(job, JobStatus.STARTING)
     store.set_status(job, JobStatus.RUNNING)
@@ -124,6 +124,8 @@ def test_tune_page_asks_for_confirmation_then_records_the_change(app, dashboard_
     at.run()
     assert not at.exception
     assert "async-run" in texts(at)
+    assert {n.label for n in at.number_input} == {  # the live fields of a fully_async schedule
+        "update_weights_interval", "max_staleness", "buffer_groups (0 = two steps' worth)"}  # fmt: skip
     interval = next(n for n in at.number_input if n.label == "update_weights_interval")
     interval.set_value(2)
     at.button[0].click().run()  # the form's "Review change"

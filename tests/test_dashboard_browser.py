@@ -114,7 +114,7 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     # A running job: tune it from the Tune page and see the change recorded.
     spec_data = yaml.safe_load((ROOT / "examples" / "quick.yaml").read_text())
     spec_data.update(name="tune-me")
-    spec_data["schedule"].update(num_steps=200, checkpoint_every=0)
+    spec_data["schedule"].update(type="one_step_off", num_steps=200, checkpoint_every=0)  # a schedule with an interval
     headers = {"Authorization": f"Bearer {stack['token']}"}
     created = httpx.post(f"{stack['api'].url}/api/v1/jobs", json={"spec": spec_data}, headers=headers).json()
     deadline = time.time() + 180

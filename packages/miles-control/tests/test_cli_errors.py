@@ -83,7 +83,7 @@ def test_data_arithmetic_writes_loadable_jsonl(tmp_path):
 def test_schedule_set_queues_live_changes_and_refuses_others(tmp_path):
     url = f"sqlite:///{tmp_path}/m.db"
     store = Store(url)
-    job = store.create_job("j", {})
+    job = store.create_job("j", {"schedule": {"type": "one_step_off"}})
 
     def schedule_set(*args: str) -> subprocess.CompletedProcess:
         cmd = [*MILES, "schedule", "set", *args, "--store", url]
@@ -98,7 +98,11 @@ def test_schedule_set_queues_live_changes_and_refuses_others(tmp_path):
     assert bad.returncode == 2 and "'max_staleness': expected field=value" in bad.stderr
     # the API's own check (miles_control.schedules.control.queue_schedule_change): live fields only, ...
     bad = schedule_set(str(job), "num_steps=5")
-    assert bad.returncode == 2 and "num_steps: not a live schedule field" in bad.stderr
+    assert bad.returncode == 2 and "num_steps: not a live field of a one_step_off schedule" in bad.stderr
+    # ... of the job's schedule type (a sync job has no staleness bound), ...
+    sync = store.create_job("s", {})
+    bad = schedule_set(str(sync), "max_staleness=2")
+    assert bad.returncode == 2 and "max_staleness: not a live field of a sync schedule (live: pause_mode)" in bad.stderr
     # ... a schedule still valid once patched, ...
     fully_async = store.create_job("f", {"schedule": {"type": "fully_async", "update_weights_interval": 1}})
     bad = schedule_set(str(fully_async), "update_weights_interval=4")
@@ -111,4 +115,4 @@ def test_schedule_set_queues_live_changes_and_refuses_others(tmp_path):
     missing = schedule_set("999", "max_staleness=2")
     assert missing.returncode == 2 and "no job 999" in missing.stderr
     assert len(store.pending_schedule_changes(job)) == 1  # nothing else was queued
-    assert store.pending_schedule_changes(fully_async) == []
+    assert store.pending_schedule_changes(fully_async) == store.pending_schedule_changes(sync) == []

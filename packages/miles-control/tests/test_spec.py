@@ -108,3 +108,53 @@ def test_config_modules_do_not_import_torch():
 def test_a_backend_mapping_names_its_type(tmp_path):
     errors = errors_of(write(tmp_path, "name: t\ntrain:\n  backend:\n    world_size: 2\n"))
     assert any("train.backend" in e and "type: fsdp2 | megatron | torchtitan" in e for e in errors), errors
+
+
+def test_schedule_and_sync_take_only_their_types_fields(tmp_path):
+    """`schedule` and `sync` are unions told apart by `type` / `transport`: a field of another type is refused,
+    named as the user wrote it (without the union's tag in the path)."""
+    from miles_control.config import FullyAsyncSchedule, SyncSchedule
+
+    assert errors_of(write(tmp_path, "name: x\nschedule:\n  max_staleness: 2\n")) == [
+        "schedule.max_staleness: Extra inputs are not permitted"  # the default schedule (sync) has no staleness
+    ]
+    assert errors_of(write(tmp_path, "name: x\nschedule:\n  type: one_step_off\n  buffer_groups: 4\n")) == [
+        "schedule.buffer_groups: Extra inputs are not permitted"
+    ]
+    assert errors_of(write(tmp_path, "name: x\nsync:\n  transport: tensor\n  dir: /w\n")) == [
+        "sync.dir: Extra inputs are not permitted"
+    ]
+    assert errors_of(write(tmp_path, "name: x\nsync:\n  master_port: 29500\n")) == [
+        "sync.master_port: Extra inputs are not permitted"  # the default transport (disk) has no rendezvous
+    ]
+    errors = errors_of(write(tmp_path, "name: x\nschedule:\n  type: fully_async\n  update_weights_interval: 3\n"))
+    assert errors == ["schedule: Value error, max_staleness 1 < update_weights_interval - 1 = 2: between pushes "
+                      "even fresh samples would be too stale"]  # fmt: skip
+    spec = load_spec(write(tmp_path, "name: x\nschedule:\n  type: fully_async\n  max_staleness: 3\n"))
+    assert isinstance(spec.schedule, FullyAsyncSchedule) and spec.schedule.max_staleness == 3
+    assert spec.sync.transport == "disk" and isinstance(load_spec(write(tmp_path, "name: x\n")).schedule, SyncSchedule)
+
+
+def test_a_schedule_stored_before_the_split_still_loads():
+    """Specs stored before the schedule types were split hold every type's fields at their defaults."""
+    from miles_control.config import JobSpec, SyncSchedule
+
+    stored = {"type": "sync", "num_steps": 5, "update_weights_interval": 1, "max_staleness": 1,
+              "stale_policy": "drop", "buffer_groups": None, "async_eval": True, "pause_mode": "in_place"}  # fmt: skip
+    schedule = JobSpec.model_validate({"name": "x", "schedule": stored}).schedule
+    assert isinstance(schedule, SyncSchedule) and schedule.num_steps == 5
+    with pytest.raises(ValueError, match="max_staleness"):  # a value someone set is not silently dropped
+        JobSpec.model_validate({"name": "x", "schedule": {**stored, "max_staleness": 3}})
+
+
+def test_a_schedule_as_another_type_keeps_what_both_have():
+    from miles_control.config import FullyAsyncSchedule, OneStepOffSchedule, SyncSchedule, as_schedule
+
+    full = FullyAsyncSchedule(num_steps=7, update_weights_interval=2, max_staleness=4, pause_mode="retract")
+    assert as_schedule(full, "sync") == SyncSchedule(num_steps=7, pause_mode="retract")
+    assert as_schedule(full, "one_step_off") == OneStepOffSchedule(num_steps=7, update_weights_interval=2,
+                                                                   pause_mode="retract")  # fmt: skip
+    assert as_schedule(SyncSchedule(num_steps=3), "fully_async") == FullyAsyncSchedule(num_steps=3)
+    assert SyncSchedule.live_fields() == ("pause_mode",)
+    assert FullyAsyncSchedule.live_fields() == ("update_weights_interval", "max_staleness", "pause_mode",
+                                                "buffer_groups")  # fmt: skip

@@ -20,11 +20,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from miles_control.config import JobSpec
+from miles_control.config import SCHEDULES, FullyAsyncSchedule, JobSpec, as_schedule
 from miles_control.store import Store
 from miles_control.summary import RunSummary, summarize
 
-SCHEDULE_TYPES = ("sync", "one_step_off", "fully_async")
+SCHEDULE_TYPES = tuple(SCHEDULES)
 
 
 def run_schedules(base: JobSpec, out: Path, on_job=lambda schedule, job_id: None) -> list[RunSummary]:
@@ -38,7 +38,7 @@ def run_schedules(base: JobSpec, out: Path, on_job=lambda schedule, job_id: None
     for schedule in SCHEDULE_TYPES:
         data = base.model_dump(mode="json")
         data["name"] = f"{base.name}-bench-{schedule}"
-        data["schedule"]["type"] = schedule
+        data["schedule"] = as_schedule(base.schedule, schedule).model_dump(mode="json")
         data["schedule"]["stop_at_accuracy"] = None  # the same number of steps for every schedule
         data["store"]["url"] = url
         data["ray"]["cpu_split"] = True
@@ -92,6 +92,8 @@ def plot(summaries: list[RunSummary], out: Path) -> list[str]:
 def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -> str:
     from miles_control.schedules.fully_async import buffer_capacity
 
+    full = as_schedule(spec.schedule, "fully_async")
+    assert isinstance(full, FullyAsyncSchedule)
     plots = plot(summaries, out)
     base = summaries[0]
     stages = sorted({k for s in summaries for k in s.stage_s})
@@ -111,8 +113,8 @@ def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -
         "",
         f"Spec `{spec.name}`: engine `{spec.rollout.engine.type}`, {spec.rollout.num_prompts_per_step} prompts × "
         f"{spec.rollout.num_samples_per_prompt} samples per step, {spec.schedule.num_steps} steps, "
-        f"`update_weights_interval` {spec.schedule.update_weights_interval}, `max_staleness` "
-        f"{spec.schedule.max_staleness}, buffer {buffer_capacity(spec.schedule, spec.rollout.num_prompts_per_step)} "
+        f"`update_weights_interval` {full.update_weights_interval}, `max_staleness` "
+        f"{full.max_staleness}, buffer {buffer_capacity(full, spec.rollout.num_prompts_per_step)} "
         f"groups, transport `{spec.sync.transport}`.",
         "",
         "## Throughput",

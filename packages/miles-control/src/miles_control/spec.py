@@ -56,10 +56,32 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
-def format_validation_error(exc: ValidationError) -> list[str]:
+def input_loc(loc: tuple[Any, ...] | list[Any], data: Any, error_type: str = "") -> tuple[Any, ...]:
+    """An error location as the input spells it: pydantic puts the tag of a discriminated union into the path
+    (`schedule.fully_async.max_staleness`, `sync.disk.dir`); the user wrote `schedule.max_staleness`. A path
+    element that is not a key of the mapping it indexes is such a tag and is dropped (but the last element of a
+    `missing` error, the field that is missing)."""
+    out: list[Any] = []
+    current = data
+    for index, part in enumerate(loc):
+        missing = error_type == "missing" and index == len(loc) - 1
+        if isinstance(current, dict) and not missing and part not in current:
+            continue  # a union's tag
+        out.append(part)
+        if isinstance(current, dict):
+            current = current.get(part)
+        elif isinstance(current, list) and isinstance(part, int) and 0 <= part < len(current):
+            current = current[part]
+        else:
+            current = None
+    return tuple(out)
+
+
+def format_validation_error(exc: ValidationError, data: Any = None) -> list[str]:
+    """One line per error, `field.path: message`, the path as written in `data` (the validated input)."""
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        where = ".".join(str(p) for p in input_loc(err["loc"], data, err["type"])) or "(top level)"
         lines.append(f"{where}: {err['msg']}")
     return lines
 
@@ -70,7 +92,7 @@ def parse_spec(data: Any, source: str = "<spec>") -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(source, format_validation_error(exc)) from None
+        raise SpecError(source, format_validation_error(exc, data)) from None
 
 
 def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:

@@ -24,6 +24,7 @@ from miles_control.api.routes import router
 from miles_control.api.schemas import Health, PresetPublic
 from miles_control.api.settings import ServerSettings
 from miles_control.launch import Launcher
+from miles_control.spec import input_loc
 from miles_control.store import JobStatus, Store
 
 log = logging.getLogger(__name__)
@@ -117,8 +118,15 @@ def _finite(value):
 
 
 async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 (one entry per field, with `loc` and `msg`), safe for any input it echoes."""
-    return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
+    """FastAPI's 422 (one entry per field, with `loc` and `msg`), safe for any input it echoes. A location in the
+    body is given as the body spells it (without the tags of discriminated unions)."""
+    errors = [
+        {**e, "loc": ("body", *input_loc(e["loc"][1:], exc.body, e["type"]))}
+        if e.get("loc", ())[:1] == ("body",)
+        else e
+        for e in exc.errors()
+    ]
+    return JSONResponse({"detail": _finite(jsonable_encoder(errors))}, status_code=422)
 
 
 class _JobCollector:

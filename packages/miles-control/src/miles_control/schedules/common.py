@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from miles_control.config import ScheduleConfig
+from miles_control.config import OverlappedSchedule, ScheduleBase
 from miles_control.runtime.job import JobRuntime
 
 StepCallback = Callable[[int, dict[str, float]], None]
 
 
-def should_stop(schedule: ScheduleConfig, metrics: dict[str, float], started: float) -> bool:
+def should_stop(schedule: ScheduleBase, metrics: dict[str, float], started: float) -> bool:
     if schedule.stop_at_accuracy is not None and metrics.get("eval/accuracy", 0.0) >= schedule.stop_at_accuracy:
         return True
     return schedule.max_minutes is not None and time.time() - started > schedule.max_minutes * 60
@@ -46,7 +46,7 @@ class BackgroundEval:
 def finish_step(
     rt: JobRuntime,
     evals: BackgroundEval,
-    cfg: ScheduleConfig,
+    cfg: OverlappedSchedule,
     step: int,
     version: int,
     last: bool,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
-from miles_control.config import LIVE_SCHEDULE_FIELDS, ScheduleConfig
+from miles_control.config import SCHEDULES, ScheduleBase
 from miles_control.recorder import Recorder
 
 
@@ -20,16 +20,19 @@ class JobCancelled(Exception):
 STOP_REQUESTED = threading.Event()
 
 
-class LiveSchedule:
+S = TypeVar("S", bound=ScheduleBase)
+
+
+class LiveSchedule(Generic[S]):
     """The schedule a loop reads each step; `apply_pending(step)` takes in queued changes.
 
-    A change may only touch the live fields (`LIVE_SCHEDULE_FIELDS`) and must leave a valid schedule;
+    A change may only touch the live fields of the schedule's type (`live_fields()`) and must leave a valid schedule;
     otherwise it is rejected with the reason. Either way the outcome is recorded: the change row gets
     its status and step, and an event `schedule_change` (or `schedule_change_rejected`) names the step.
     """
 
-    def __init__(self, config: ScheduleConfig, recorder: Recorder) -> None:
-        self.config = config
+    def __init__(self, config: S, recorder: Recorder) -> None:
+        self.config: S = config
         self.recorder = recorder
 
     def apply_pending(self, step: int) -> list[dict[str, Any]]:
@@ -41,10 +44,10 @@ class LiveSchedule:
             raise JobCancelled(f"cancel requested; stopped before step {step}")
         applied = []
         for change in store.pending_schedule_changes(job_id):
-            problem = self._check(change.patch)
+            problem = self._check(change.patch, self.config.live_fields())
             if problem is None:
                 try:
-                    updated = ScheduleConfig.model_validate({**self.config.model_dump(), **change.patch})
+                    updated = type(self.config).model_validate({**self.config.model_dump(), **change.patch})
                 except ValidationError as exc:
                     problem = "; ".join(
                         f"{'.'.join(map(str, e['loc'])) or 'schedule'}: {e['msg']}" for e in exc.errors()
@@ -66,14 +69,14 @@ class LiveSchedule:
             applied.append(change.patch)
         return applied
 
-    @staticmethod
-    def _check(patch: Any) -> str | None:
+    def _check(self, patch: Any, live: tuple[str, ...]) -> str | None:
         if not isinstance(patch, dict) or not patch:
             return "a schedule change must be a non-empty mapping of field to value"
-        fixed = sorted(set(patch) - set(LIVE_SCHEDULE_FIELDS))
+        fixed = sorted(set(patch) - set(live))
         if fixed:
             return (
-                f"cannot change {', '.join(fixed)} while the job runs; live fields: {', '.join(LIVE_SCHEDULE_FIELDS)}"
+                f"cannot change {', '.join(fixed)} while the job runs; live fields of {self.config.type}: "
+                f"{', '.join(live)}"
             )
         return None
 
@@ -96,18 +99,21 @@ def queue_schedule_change(store: Any, job_id: int, patch: dict[str, Any]) -> int
     from miles_control.spec import format_validation_error
     from miles_control.store import ACTIVE, JobStatus
 
-    unknown = sorted(set(patch) - set(LIVE_SCHEDULE_FIELDS))
+    job = store.job(job_id)
+    stored = job.spec.get("schedule", {})
+    kind = stored.get("type", "sync")
+    live = SCHEDULES[kind].live_fields()
+    unknown = sorted(set(patch) - set(live))
     if unknown:
         raise ScheduleChangeError(
-            f"{', '.join(unknown)}: not a live schedule field (live: {', '.join(LIVE_SCHEDULE_FIELDS)})"
+            f"{', '.join(unknown)}: not a live field of a {kind} schedule (live: {', '.join(live)})"
         )
     if not patch:
-        raise ScheduleChangeError(f"give at least one of {', '.join(LIVE_SCHEDULE_FIELDS)}")
-    job = store.job(job_id)
+        raise ScheduleChangeError(f"give at least one of {', '.join(live)}")
     if JobStatus(job.status) not in ACTIVE:
         raise ScheduleChangeError(f"job {job_id} is {job.status}; only an active job's schedule can change", True)
     try:
-        ScheduleConfig.model_validate({**job.spec.get("schedule", {}), **patch})
+        SCHEDULES[kind].model_validate({**stored, **patch})
     except ValidationError as exc:
-        raise ScheduleChangeError("; ".join(format_validation_error(exc))) from None
+        raise ScheduleChangeError("; ".join(format_validation_error(exc, {**stored, **patch}))) from None
     return store.request_schedule_change(job_id, patch)

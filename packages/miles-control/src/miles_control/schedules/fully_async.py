@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import time
 
-from miles_control.config import ScheduleConfig
+from miles_control.config import FullyAsyncSchedule
 from miles_control.runtime.job import JobRuntime
 from miles_control.schedules.common import BackgroundEval, StepCallback, finish_step, should_stop
 from miles_control.schedules.control import LiveSchedule
 
 
-def buffer_capacity(schedule: ScheduleConfig, groups_per_step: int) -> int:
+def buffer_capacity(schedule: FullyAsyncSchedule, groups_per_step: int) -> int:
     return schedule.buffer_groups or 2 * groups_per_step
 
 
 def run_fully_async(
-    rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback, first_step: int = 1
+    rt: JobRuntime, schedule: FullyAsyncSchedule, eval_every: int, on_step: StepCallback, first_step: int = 1
 ) -> int:
     started = time.time()
     groups_per_step = rt.spec.rollout.num_prompts_per_step

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from miles_control.config import ScheduleConfig
+from miles_control.config import OneStepOffSchedule
 from miles_control.convert import staleness_metrics
 from miles_control.runtime.job import JobRuntime
 from miles_control.schedules.common import BackgroundEval, StepCallback, finish_step, should_stop
@@ -18,7 +18,7 @@ from miles_control.schedules.control import LiveSchedule
 
 
 def run_one_step_off(
-    rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback, first_step: int = 1
+    rt: JobRuntime, schedule: OneStepOffSchedule, eval_every: int, on_step: StepCallback, first_step: int = 1
 ) -> int:
     started = time.time()
     live = LiveSchedule(schedule, rt.recorder)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 
-from miles_control.config import ScheduleConfig
+from miles_control.config import SyncSchedule
 from miles_control.runtime.job import JobRuntime
 from miles_control.schedules.common import StepCallback, should_stop
 from miles_control.schedules.control import LiveSchedule
 
 
 def run_sync(
-    rt: JobRuntime, schedule: ScheduleConfig, eval_every: int, on_step: StepCallback, first_step: int = 1
+    rt: JobRuntime, schedule: SyncSchedule, eval_every: int, on_step: StepCallback, first_step: int = 1
 ) -> int:
     """Run the loop from `first_step` (after a resume: the step after the checkpoint); returns the last step."""
     started = time.time()

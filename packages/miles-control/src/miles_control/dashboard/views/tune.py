@@ -14,30 +14,36 @@ if picked is None:
     st.stop()
 job = client.job(picked.id)
 changes = client.schedule_changes(job.id)
-current = {k: job.spec["schedule"].get(k) for k in LIVE}
+live = [k for k in LIVE if k in job.spec["schedule"]]  # the stored spec holds exactly its schedule type's fields
+current = {k: job.spec["schedule"].get(k) for k in live}
 for change in changes:  # what the job runs with now: its spec plus the changes it applied
     if change.status == "applied":
         current.update(change.patch)
 st.markdown(f"#{job.id} {job.name} · {status_text(job.status)} · `{job.schedule}`")
 st.caption(
-    "Changes apply at the job's next step boundary and are recorded. `max_staleness` and `buffer_groups` "
-    "matter for fully_async; `update_weights_interval` for one_step_off and fully_async."
+    f"Changes apply at the job's next step boundary and are recorded. A {job.schedule} schedule takes changes "
+    f"of {', '.join(f'`{k}`' for k in live)}."
 )
 
 with st.form("schedule"):
     a, b = st.columns(2)
-    interval = a.number_input("update_weights_interval", min_value=1, value=int(current["update_weights_interval"]))
-    staleness = b.number_input("max_staleness", min_value=0, value=int(current["max_staleness"]))
+    wanted = {}
+    if "update_weights_interval" in live:
+        wanted["update_weights_interval"] = a.number_input(
+            "update_weights_interval", min_value=1, value=int(current["update_weights_interval"])
+        )
+    if "max_staleness" in live:
+        wanted["max_staleness"] = b.number_input("max_staleness", min_value=0, value=int(current["max_staleness"]))
     modes = client.choices("SchedulePatch", "pause_mode")
-    mode = a.selectbox("pause_mode", modes, index=modes.index(current["pause_mode"]))
-    buffer = b.number_input(
-        "buffer_groups (0 = two steps' worth)", min_value=0, value=int(current["buffer_groups"] or 0)
-    )
+    wanted["pause_mode"] = a.selectbox("pause_mode", modes, index=modes.index(current["pause_mode"]))
+    if "buffer_groups" in live:
+        buffer = b.number_input(
+            "buffer_groups (0 = two steps' worth)", min_value=0, value=int(current["buffer_groups"] or 0)
+        )
+        if buffer:
+            wanted["buffer_groups"] = buffer
     reviewed = st.form_submit_button("Review change")
 if reviewed:
-    wanted = {"update_weights_interval": interval, "max_staleness": staleness, "pause_mode": mode}
-    if buffer:
-        wanted["buffer_groups"] = buffer
     patch = {k: v for k, v in wanted.items() if v != current[k]}
     st.session_state["pending_patch"] = (job.id, patch)
 pending = st.session_state.get("pending_patch")
