@@ -156,3 +156,30 @@ def test_the_dashboard_talks_to_the_api_only():
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]", f"importing the API client loads {loaded}"
+
+
+def test_every_backend_folder_has_the_same_file_set():
+    """Each trainer backend is laid out as torchtitan's model folders are: `backend.py` (the TrainerBackend),
+    `convert.py` (HF ⇄ the framework's names and layouts), `parallelize.py` (the parallel layout, the only
+    file that calls the framework's sharding / model-parallel APIs), and `cpu.py` where the framework needs
+    adjustments to run without a GPU."""
+    backends = ROOT / "packages" / "miles-train" / "src" / "miles_train" / "backends"
+    folders = sorted(p for p in backends.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert {f.name for f in folders} == {"fsdp2", "megatron", "torchtitan"}
+    parallel_apis = {"fully_shard", "initialize_model_parallel", "DistributedDataParallel", "parallelize_qwen3",
+                     "ParallelDims"}  # fmt: skip
+    for folder in folders:
+        files = {p.name for p in folder.glob("*.py")}
+        assert {"__init__.py", "backend.py", "convert.py", "parallelize.py"} <= files, (folder.name, files)
+        assert files <= {"__init__.py", "backend.py", "convert.py", "parallelize.py", "cpu.py"}, (folder.name, files)
+        for path in folder.glob("*.py"):
+            if path.name != "parallelize.py":
+                names = set()
+                for node in ast.walk(ast.parse(path.read_text())):
+                    if isinstance(node, ast.Name):
+                        names.add(node.id)
+                    elif isinstance(node, ast.Attribute):
+                        names.add(node.attr)
+                    elif isinstance(node, ast.alias):
+                        names.add(node.name.split(".")[-1])
+                assert not names & parallel_apis, f"{path.relative_to(ROOT)} uses {names & parallel_apis}"

@@ -1,4 +1,5 @@
-"""FSDP2 trainer backend: HF model, `fully_shard` per layer, gloo on CPU / NCCL on GPU, GRPO loss."""
+"""FSDP2 trainer backend: the HF model (`convert.py`), `fully_shard` per layer (`parallelize.py`), gloo on CPU /
+NCCL on GPU, the shared GRPO update."""
 
 from __future__ import annotations
 
@@ -14,12 +15,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from transformers import AutoModelForCausalLM
 
-from miles_sync import without_tied_head
 from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from miles_train.backends.fsdp2 import convert
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
-from miles_train.backends.hf_io import with_tied_head
 from miles_train.backends.update import GRPOBackend
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -55,7 +54,7 @@ class FSDP2Backend(GRPOBackend):
             self.reference = self._load(model_path).eval().requires_grad_(False)
 
     def _load(self, model_path: str | Path) -> torch.nn.Module:
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(self.device)
+        model = convert.load_hf_model(model_path, self.device)
         return apply_fsdp(model, self.config.backend.mixed_precision)
 
     def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
@@ -76,7 +75,7 @@ class FSDP2Backend(GRPOBackend):
         """The checkpoint's tensors: a tied head is the embedding, exported once (miles_sync.naming)."""
         state = get_model_state_dict(self.model, options=_FULL)
         if self.rank == 0:
-            yield from without_tied_head(state.items(), bool(getattr(self.model.config, "tie_word_embeddings", False)))
+            yield from convert.to_hf(self.model.config, state)
 
     def _state(self) -> TrainerState:
         return TrainerState(self.name, self.step, self.world_size)
@@ -91,6 +90,6 @@ class FSDP2Backend(GRPOBackend):
     def load(self, directory: str | Path) -> None:
         ckpt = load_checkpoint(directory, self._state())
         full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, with_tied_head(self.model.config, ckpt.hf_state), options=full)
+        set_model_state_dict(self.model, convert.from_hf(self.model.config, ckpt.hf_state), options=full)
         set_optimizer_state_dict(self.model, self.optimizer, ckpt.optimizer_state, options=full)
         self.step = ckpt.state.step

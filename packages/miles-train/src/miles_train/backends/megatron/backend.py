@@ -1,8 +1,6 @@
 """megatron-core trainer backend: GPTModel (local layer spec) from an HF Qwen2/Llama checkpoint,
-tensor parallel × data parallel, Megatron's DDP and optimizer, HF weights out.
-
-Ranks form `world_size / tensor_parallel_size` data-parallel groups of `tensor_parallel_size`
-ranks each (Megatron's order: consecutive ranks share a layer). fp32 parameters and gradients.
+tensor parallel × data parallel (`parallelize.py`), Megatron's optimizer, HF weights out (`convert.py`).
+fp32 parameters and gradients.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import torch.distributed as dist
 
 from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from miles_train.backends.hf_io import read_hf_state
-from miles_train.backends.megatron import convert, cpu
+from miles_train.backends.megatron import convert, cpu, parallelize
 from miles_train.backends.update import GRPOBackend
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -35,8 +33,6 @@ class MegatronBackend(GRPOBackend):
         world_size: int = 1,
         init_method: str | None = None,
     ) -> None:
-        from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from transformers import AutoConfig
 
         super().__init__(config, rank, world_size, init_method)
@@ -47,14 +43,9 @@ class MegatronBackend(GRPOBackend):
         self.pad_token_id = self.hf_config.pad_token_id or 0
 
         cpu.apply()
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=self.tp, create_gloo_process_groups=False
-            )
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
+        layout = parallelize.initialize(self.tp)
+        self.tp_rank, self.tp_group = layout.tp_rank, layout.tp_group
+        self.dp_rank, self.dp_size = layout.dp_rank, layout.dp_size
         # Megatron's DDP averages gradients over the data-parallel ranks: × dp_size restores the
         # global token mean of the loss.
         self.loss_scale = float(self.dp_size)
@@ -62,18 +53,13 @@ class MegatronBackend(GRPOBackend):
 
         hf_state = read_hf_state(model_path)
         self.transformer_config = convert.transformer_config(self.hf_config, self.tp)
-        model = self._build(hf_state)
-        self.model = DistributedDataParallel(
-            self.transformer_config,
-            DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-            ),
-            model,
-        )
+        model = parallelize.build(self.hf_config, hf_state, self.tp, self.tp_rank, self.device)
+        self.model = parallelize.wrap_ddp(self.transformer_config, model)
         self.model.train()
         self.optimizer = self._build_optimizer()
         if config.grpo.kl_coef > 0:
-            self.reference = self._build(hf_state).eval().requires_grad_(False)
+            reference = parallelize.build(self.hf_config, hf_state, self.tp, self.tp_rank, self.device)
+            self.reference = reference.eval().requires_grad_(False)
 
     # ---- construction --------------------------------------------------------------------------
     def _init_rng(self, config: TrainConfig) -> None:
@@ -82,29 +68,6 @@ class MegatronBackend(GRPOBackend):
         if not cpu.init_rng_tracker():
             # Megatron's tracker (per-TP-rank CUDA generators); dropout is off, so the seed is inert
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
-
-    def _build(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        model = convert.build_gpt_model(self.hf_config, self.tp)
-        self._assign(model, convert.hf_to_megatron(hf_state, self.hf_config, self.tp, self.tp_rank))
-        return model.to(self.device)
-
-    @staticmethod
-    def _assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        params = dict(model.named_parameters())
-        params = {name.removeprefix("module."): p for name, p in params.items()}
-        missing = sorted(set(params) - set(tensors))
-        unexpected = sorted(set(tensors) - set(params))
-        if missing or unexpected:
-            raise RuntimeError(
-                f"megatron: weight names do not match the model: missing {missing}, unexpected {unexpected}"
-            )
-        with torch.no_grad():
-            for name, param in params.items():
-                if param.shape != tensors[name].shape:
-                    raise RuntimeError(
-                        f"megatron: {name} has shape {tuple(param.shape)}, checkpoint {tuple(tensors[name].shape)}"
-                    )
-                param.copy_(tensors[name])
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -157,9 +120,7 @@ class MegatronBackend(GRPOBackend):
         return float(grad_norm) if self.config.optimizer.max_grad_norm is not None and grad_norm is not None else None
 
     def _dp_group(self):
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_group()
+        return parallelize.data_parallel_group()
 
     def _replicas(self, param: torch.Tensor) -> int:
         """Data-parallel ranks all hold every parameter; TP ranks split some (`tensor_model_parallel`)."""
@@ -202,13 +163,11 @@ class MegatronBackend(GRPOBackend):
             directory, self._state(), ("world_size", "tensor_parallel_size"), self.rank,
             per_rank_optimizer=True, optimizer_io=cpu.on_cpu,
         )  # fmt: skip
-        self._assign(self.model, convert.hf_to_megatron(ckpt.hf_state, self.hf_config, self.tp, self.tp_rank))
+        parallelize.assign(self.model, convert.hf_to_megatron(ckpt.hf_state, self.hf_config, self.tp, self.tp_rank))
         with cpu.on_cpu():
             self.optimizer.load_state_dict(ckpt.optimizer_state)
         self.step = ckpt.state.step
 
     def shutdown(self) -> None:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
+        parallelize.destroy()
         super().shutdown()

@@ -1,15 +1,11 @@
 """torchtitan trainer backend: a Qwen2/Llama-family torchtitan model parallelised by torchtitan
-(`parallelize_qwen3`: TP over `tensor_parallel_size` ranks, FSDP2 over the data-parallel ranks),
-HF weights in and out through its state-dict adapter. fp32.
-
-Gradients are summed over data-parallel ranks, as torchtitan does (`disable_fsdp_gradient_division`):
-the loss is already the global token mean.
+(`parallelize.py`: TP over `tensor_parallel_size` ranks, FSDP2 over the data-parallel ranks), HF weights in
+and out through its state-dict adapter (`convert.py`). fp32.
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from miles_train.backends.distributed import pad_rows, padded_vocab
 from miles_train.backends.hf_io import read_hf_state
-from miles_train.backends.torchtitan import convert, cpu
+from miles_train.backends.torchtitan import convert, cpu, parallelize
 from miles_train.backends.update import GRPOBackend
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
@@ -34,7 +30,6 @@ log = logging.getLogger(__name__)
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
-_SPMD_BACKEND = "partial_dtensor"  # DTensor TP + FSDP2, torchtitan's long-standing path
 
 
 class TorchtitanBackend(GRPOBackend):
@@ -58,22 +53,8 @@ class TorchtitanBackend(GRPOBackend):
         self.pad_token_id = self.hf_config.pad_token_id or 0
 
         cpu.apply()
-        from torchtitan.config.configs import ParallelismConfig
-        from torchtitan.distributed import utils as dist_utils
-        from torchtitan.distributed.parallel_dims import ParallelDims
-
-        self.parallelism = ParallelismConfig(
-            tensor_parallel_degree=self.tp,
-            data_parallel_shard_degree=-1,
-            enable_sequence_parallel=False,
-            spmd_backend=_SPMD_BACKEND,
-        )
-        dist_utils.set_spmd_backend(_SPMD_BACKEND)
-        self.parallel_dims = ParallelDims.from_config(self.parallelism, world_size)
-        self.parallel_dims.build_mesh()
-        self.dp_size = self.parallel_dims.dp_shard
-        self.dp_rank = rank // self.tp  # mesh order: the tp axis is innermost
-        self._dist_utils = dist_utils
+        self.layout = parallelize.initialize(self.tp, rank, world_size)
+        self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
 
         self.vocab_size = self.hf_config.vocab_size
         self.padded_vocab = padded_vocab(self.vocab_size, self.tp)  # vocab-parallel layers split evenly
@@ -94,27 +75,7 @@ class TorchtitanBackend(GRPOBackend):
             self.reference = self._build(hf_state).eval().requires_grad_(False)
 
     def _build(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        from torchtitan.config.configs import CompileConfig, TrainingConfig
-        from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
-        from torchtitan.models.qwen3.parallelize import parallelize_qwen3
-
-        with torch.device("meta"):
-            model = self.model_config.build()
-        with tempfile.TemporaryDirectory() as dump_folder:
-            parallelize_qwen3(
-                model,
-                parallel_dims=self.parallel_dims,
-                training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
-                parallelism=self.parallelism,
-                compile_config=CompileConfig(),
-                ac_config=None,
-                dump_folder=dump_folder,
-            )
-        disable_fsdp_gradient_division(model)
-        cpu.after_parallelize(model)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=self.device)  # RoPE tables; the weights are replaced next
+        model = parallelize.build(self.model_config, self.layout, self.device)
         set_model_state_dict(model, self._from_hf(hf_state), options=StateDictOptions(full_state_dict=True))
         return model
 
@@ -141,15 +102,13 @@ class TorchtitanBackend(GRPOBackend):
         norm = None
         max_norm = self.config.optimizer.max_grad_norm
         if max_norm is not None:
-            total = self._dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm)
+            total = parallelize.clip_grad_norm(list(self.model.parameters()), max_norm)
             norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
         self.optimizer.step()
         return norm
 
     def _dp_group(self):
-        if self.tp == 1:
-            return None
-        return self.parallel_dims.get_mesh("fsdp").get_group()
+        return parallelize.data_parallel_group(self.layout, self.tp)
 
     # ---- weights, checkpoints -------------------------------------------------------------------
     def _hf_state(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,84 @@
+"""Megatron's parallel layout: model-parallel groups, the model built on this rank's tensor-parallel shard, and
+Megatron's DistributedDataParallel around it.
+
+Ranks form `world_size / tensor_parallel_size` data-parallel groups of `tensor_parallel_size` ranks each
+(Megatron's order: consecutive ranks share a layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles_train.backends.megatron import convert
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in the tensor-parallel × data-parallel grid."""
+
+    tp_rank: int
+    tp_group: Any
+    dp_rank: int
+    dp_size: int
+
+
+def initialize(tp: int) -> Layout:
+    """Megatron's model-parallel groups over the default process group (once per process)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    return Layout(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def data_parallel_group() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
+
+
+def build(hf_config: Any, hf_state: dict[str, torch.Tensor], tp: int, tp_rank: int, device: torch.device):
+    """The GPTModel of `hf_config` holding this rank's shard of `hf_state`."""
+    model = convert.build_gpt_model(hf_config, tp)
+    assign(model, convert.hf_to_megatron(hf_state, hf_config, tp, tp_rank))
+    return model.to(device)
+
+
+def assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` (Megatron names, this rank's shard) into `model`; every name and shape must match."""
+    params = {name.removeprefix("module."): p for name, p in model.named_parameters()}
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise RuntimeError(f"megatron: weight names do not match the model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.shape != tensors[name].shape:
+                raise RuntimeError(
+                    f"megatron: {name} has shape {tuple(param.shape)}, checkpoint {tuple(tensors[name].shape)}"
+                )
+            param.copy_(tensors[name])
+
+
+def wrap_ddp(transformer_config: Any, model: torch.nn.Module) -> torch.nn.Module:
+    """Megatron's DistributedDataParallel: fp32 gradient buffers averaged over the data-parallel ranks."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
+    return DistributedDataParallel(transformer_config, config, model)
