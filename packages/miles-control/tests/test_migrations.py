@@ -1,6 +1,13 @@
 """Alembic migrations: upgrade from empty, downgrade, upgrade again; the models agree with them; a store
 made before migrations existed is adopted without losing rows."""
 
+import os
+import subprocess
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
@@ -66,3 +73,67 @@ def test_a_store_from_before_migrations_is_adopted(store_url):
     with store.engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM metrics")).scalar() == 1
     store.engine.dispose()
+
+
+_OPEN_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from miles_control.store import Store
+go = Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.005)
+Store(sys.argv[1])
+"""
+
+
+def _open_at_once(url: str, go: Path, processes: int) -> list[subprocess.CompletedProcess]:
+    import sys
+
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _OPEN_AT_ONCE, url, str(go)], stderr=subprocess.PIPE, text=True)
+        for _ in range(processes)
+    ]
+    time.sleep(1.5)  # every process has imported the store and waits at the barrier
+    go.touch()
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), None, p.stderr.read()) for p in procs]
+
+
+def test_stores_opened_at_once_migrate_once(store_url, tmp_path):
+    """Several processes (two `miles serve`, `miles tokens create`) opening one new store at the same moment:
+    every one succeeds and the store ends with one version row. Repeated, since a race shows only sometimes."""
+    from miles_control.testing import PG_ENV, fresh_pg_database
+
+    for round_ in range(6):
+        sqlite = store_url.startswith("sqlite")
+        fresh = (
+            nullcontext(f"sqlite:///{tmp_path}/race{round_}.db") if sqlite else fresh_pg_database(os.environ[PG_ENV])
+        )
+        with fresh as url:
+            results = _open_at_once(url, tmp_path / f"go{round_}", processes=3)
+            assert [r.returncode for r in results] == [0, 0, 0], [r.stderr[-2000:] for r in results]
+            engine = make_engine(url)
+            with engine.connect() as conn:
+                versions = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+            engine.dispose()
+            assert versions == [head_revision()]
+
+
+def test_a_version_table_with_two_rows_is_repaired_or_refused(store_url):
+    """What an unserialised race left behind: the tables at head with two version rows are repaired; the
+    tables of an older revision with two rows are refused with what to do, and nothing is migrated."""
+    from miles_control.store.migrate import StoreSchemaError
+
+    engine = make_engine(store_url)
+    upgrade(engine)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO alembic_version (version_num) VALUES ('0001')"))
+    Store(store_url).engine.dispose()  # repaired: the tables are the head revision's
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == [head_revision()]
+    downgrade(engine, "0001")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO alembic_version (version_num) VALUES ('0002')"))
+    with pytest.raises(StoreSchemaError, match=r"holds 2 rows \(0001, 0002\).*DELETE FROM alembic_version"):
+        Store(store_url)
+    assert "attempts" not in tables(engine)  # nothing was migrated
+    engine.dispose()
