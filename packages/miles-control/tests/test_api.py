@@ -86,6 +86,18 @@ def test_bad_input_gets_4xx_naming_the_problem(api):
     urls = policy({"rollout": {"engine": {"type": "sglang", "urls": ["http://169.254.169.254"]}}})
     assert "not accepted" in urls["body.spec.rollout.engine.urls"]
     assert "leave it out" in policy({"sync": {"dir": "runs"}})["body.spec.sync.dir"]
+    # the server's limits (ServerSettings.limits), named with the setting that raises them
+    huge = policy({"train": {"backend": {"type": "fsdp2", "world_size": 1_000_000}}, "schedule": {"num_steps": 1e12},
+                   "model": {"hidden_size": 1e9}, "rollout": {"engine": {"type": "sglang", "num_engines": 1_000_000,
+                   "max_total_tokens": 1e15}}})  # fmt: skip
+    assert "above this server's limit of 16 (MILES_LIMITS__WORLD_SIZE)" in huge["body.spec.train.backend.world_size"]
+    assert "limit of 100000 (MILES_LIMITS__NUM_STEPS)" in huge["body.spec.schedule.num_steps"]
+    assert "MILES_LIMITS__HIDDEN_SIZE" in huge["body.spec.model.hidden_size"]
+    assert "MILES_LIMITS__NUM_ENGINES" in huge["body.spec.rollout.engine.num_engines"]
+    assert "MILES_LIMITS__MAX_TOTAL_TOKENS" in huge["body.spec.rollout.engine.max_total_tokens"]
+    free = policy({"ray": {"trainer_cpus_per_rank": 0, "rollout_cpus": 0}})  # would bypass the CPU reservation
+    assert "below this server's minimum of 0.1" in free["body.spec.ray.trainer_cpus_per_rank"]
+    assert "MILES_LIMITS__MIN_ROLLOUT_CPUS" in free["body.spec.ray.rollout_cpus"]
     r = httpx.post(
         api.url + "/api/v1/jobs",
         headers={**api.admin, "content-type": "application/json"},
@@ -203,3 +215,37 @@ def test_rewards_over_the_api_are_functions_of_allowed_modules_only():
     assert "unknown reward" in problems("jsonx:loads", ["json"])[0]  # a prefix is not a module
     assert "is not defined in" in problems("miles_rollout.rewards:resolve_dotted", ["miles_rollout.rewards"])[0]
     assert "has no attribute" in problems("json:nope", ["json"])[0]
+
+
+def test_limits_are_server_settings(monkeypatch):
+    from miles_control.api.policy import check_spec
+    from miles_control.api.settings import ServerSettings
+    from miles_control.config import JobSpec
+
+    spec = JobSpec.model_validate({"name": "x", "train": {"backend": {"type": "fsdp2", "world_size": 2}}})
+    assert check_spec(spec, ServerSettings(cpus=4))[1] == []
+    monkeypatch.setenv("MILES_LIMITS__WORLD_SIZE", "1")
+    [problem] = check_spec(spec, ServerSettings(cpus=4))[1]
+    assert problem["loc"] == ["body", "spec", "train", "backend", "world_size"]
+    assert problem["msg"] == "2 is above this server's limit of 1 (MILES_LIMITS__WORLD_SIZE)"
+
+
+def test_metrics_labels_stay_bounded(api):
+    """Random methods and paths cannot grow the number of Prometheus series: unknown methods and unmatched
+    paths share one label each."""
+    import random
+    import string
+
+    def series() -> set[str]:
+        text = api.get("/metrics").text
+        return {line.split(" ")[0] for line in text.splitlines() if line.startswith("miles_http_requests_total{")}
+
+    rng = random.Random(0)
+    for _ in range(60):
+        method = "".join(rng.choices(string.ascii_uppercase, k=6))
+        path = "/" + "".join(rng.choices(string.ascii_lowercase, k=8))
+        httpx.request(method, api.url + path, headers=api.read, timeout=30)
+        httpx.request(method, api.url + "/api/v1/jobs", headers=api.read, timeout=30)
+    grown = {s for s in series() if 'method="other"' in s or 'path="other"' in s}
+    assert 1 <= len(grown) <= 4, grown  # (other method or GET) × other path, × the few statuses they get
+    assert all(any(f'method="{m}"' in s for m in ("GET", "other")) for s in grown)

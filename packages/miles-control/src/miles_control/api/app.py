@@ -79,6 +79,9 @@ class BodyLimit:
         await response({"type": "http"}, None, send)
 
 
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 class Measure:
     """Counts requests and times them by route template (a plain ASGI middleware: cheap)."""
 
@@ -101,8 +104,9 @@ class Measure:
             await self.app(scope, receive, send_status)
         finally:
             route = scope.get("route")
-            path = route.path if isinstance(route, APIRoute) else "other"
-            self.requests.labels(scope["method"], path, str(status)).inc()
+            path = route.path if isinstance(route, APIRoute) else "other"  # unmatched paths share one label
+            method = scope["method"] if scope["method"] in _METHODS else "other"  # so do unknown methods
+            self.requests.labels(method, path, str(status)).inc()
             self.latency.labels(path).observe(time.perf_counter() - start)
 
 

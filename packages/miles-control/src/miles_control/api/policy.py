@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles_control.api.settings import ServerSettings
+from miles_control.api.settings import JobLimits, ServerSettings
 from miles_control.config import JobSpec
 
 Problem = dict[str, Any]
@@ -24,6 +24,42 @@ def confine(root: Path, raw: str) -> Path | None:
     root = root.resolve()
     path = (root / raw).resolve()  # an absolute `raw` replaces root; `..` and symlinks are resolved
     return path if path == root or root in path.parents else None
+
+
+LIMITED: dict[str, tuple[str, ...]] = {  # JobLimits field → the spec field it bounds
+    "world_size": ("train", "backend", "world_size"),
+    "num_engines": ("rollout", "engine", "num_engines"),
+    "num_steps": ("schedule", "num_steps"),
+    "max_minutes": ("schedule", "max_minutes"),
+    "num_prompts_per_step": ("rollout", "num_prompts_per_step"),
+    "num_samples_per_prompt": ("rollout", "num_samples_per_prompt"),
+    "max_new_tokens": ("rollout", "sampling", "max_new_tokens"),
+    "max_total_tokens": ("rollout", "engine", "max_total_tokens"),
+    "hidden_size": ("model", "hidden_size"),
+    "num_layers": ("model", "num_layers"),
+    "intermediate_size": ("model", "intermediate_size"),
+    "warm_start_steps": ("model", "warm_start_steps"),
+    "min_trainer_cpus_per_rank": ("ray", "trainer_cpus_per_rank"),
+    "min_rollout_cpus": ("ray", "rollout_cpus"),
+}
+
+
+def _check_limits(data: dict[str, Any], limits: JobLimits) -> list[Problem]:
+    """Every bounded field the spec has (for its model source, engine and backend types) within the limit."""
+    problems = []
+    for name, loc in LIMITED.items():
+        value: Any = data
+        for key in loc:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None:
+            continue
+        bound = getattr(limits, name)
+        env = f"MILES_LIMITS__{name.upper()}"
+        if name.startswith("min_") and value < bound:
+            problems.append(_problem(loc, f"{value:g} is below this server's minimum of {bound:g} ({env})"))
+        elif not name.startswith("min_") and value > bound:
+            problems.append(_problem(loc, f"{value:g} is above this server's limit of {bound:g} ({env})"))
+    return problems
 
 
 def job_demand(spec: JobSpec) -> float:
@@ -77,6 +113,7 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
             )
         if engine["log_dir"] is not None:
             engine["log_dir"] = confined(runs, engine["log_dir"], ("rollout", "engine", "log_dir"), "log folder")
+    problems.extend(_check_limits(data, settings.limits))
     problems.extend(_check_reward(spec.rollout.reward, settings))
     demand = job_demand(spec)
     if demand > settings.cpus:

@@ -6,16 +6,38 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from miles_control.config import DEFAULT_STORE_URL
 
 
+class JobLimits(BaseModel):
+    """The most a job submitted over the API may ask for, and the least CPU it must reserve (a job that
+    reserves nothing would bypass the queue). Each is checked against the spec field of the same name (its
+    path in `miles_control.api.policy.LIMITED`); set one with `MILES_LIMITS__<NAME>`, e.g.
+    `MILES_LIMITS__WORLD_SIZE=64`."""
+
+    world_size: int = Field(16, gt=0, description="train.backend.world_size")
+    num_engines: int = Field(16, gt=0, description="rollout.engine.num_engines")
+    num_steps: int = Field(100_000, gt=0, description="schedule.num_steps")
+    max_minutes: float = Field(7 * 24 * 60, gt=0, description="schedule.max_minutes")
+    num_prompts_per_step: int = Field(4096, gt=0, description="rollout.num_prompts_per_step")
+    num_samples_per_prompt: int = Field(256, gt=0, description="rollout.num_samples_per_prompt")
+    max_new_tokens: int = Field(32_768, gt=0, description="rollout.sampling.max_new_tokens")
+    max_total_tokens: int = Field(4_000_000, gt=0, description="rollout.engine.max_total_tokens")
+    hidden_size: int = Field(8192, gt=0, description="model.hidden_size (the built-in model)")
+    num_layers: int = Field(64, gt=0, description="model.num_layers (the built-in model)")
+    intermediate_size: int = Field(32_768, gt=0, description="model.intermediate_size (the built-in model)")
+    warm_start_steps: int = Field(100_000, ge=0, description="model.warm_start_steps (the built-in model)")
+    min_trainer_cpus_per_rank: float = Field(0.1, ge=0, description="ray.trainer_cpus_per_rank, at least")
+    min_rollout_cpus: float = Field(0.1, ge=0, description="ray.rollout_cpus, at least")
+
+
 class ServerSettings(BaseSettings):
     """Where the server keeps state, which paths job specs may name, and how it launches jobs."""
 
-    model_config = SettingsConfigDict(env_prefix="MILES_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="MILES_", extra="ignore", env_nested_delimiter="__")
 
     store_url: str = Field(DEFAULT_STORE_URL, description="SQLAlchemy URL of the job store.")
     data_dir: Path = Field(Path(".miles"), description="Server state: driver logs, run folders, the local Ray.")
@@ -51,6 +73,9 @@ class ServerSettings(BaseSettings):
         5.0, ge=0, description="How long a checked token is trusted without a query; a revoke applies within it."
     )
     max_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413.")
+    limits: JobLimits = Field(
+        default_factory=JobLimits, description="Bounds on what an API job may ask for (MILES_LIMITS__<NAME>)."
+    )
     poll_interval_s: float = Field(1.0, gt=0, description="How often the launcher looks at the queue.")
     cancel_grace_s: float = Field(
         60.0, gt=0, description="After a cancel, how long a driver has to stop before it is killed."
