@@ -3,11 +3,13 @@
 The launcher is off here (jobs stay queued); launching real jobs is tested in tests/test_control_plane.py."""
 
 import json
+import threading
+import time
 
 import httpx
 import pytest
 
-from miles_control.store import JobStatus
+from miles_control.store import JobStatus, Store
 from miles_control.store.tokens import revoke_token
 
 
@@ -249,3 +251,100 @@ def test_metrics_labels_stay_bounded(api):
     grown = {s for s in series() if 'method="other"' in s or 'path="other"' in s}
     assert 1 <= len(grown) <= 4, grown  # (other method or GET) × other path, × the few statuses they get
     assert all(any(f'method="{m}"' in s for m in ("GET", "other")) for s in grown)
+
+
+def _stream_lines(api, job_id: int, headers: dict, out: list, opened: threading.Event) -> None:
+    """Read a job's event stream into `out` (one entry per line) until the server ends it."""
+    try:
+        with httpx.stream("GET", f"{api.url}/api/v1/jobs/{job_id}/events/stream", headers=headers, timeout=120) as r:
+            out.append(f"status {r.status_code}")
+            opened.set()
+            for line in r.iter_lines():
+                out.append(line)
+    except httpx.HTTPError as exc:
+        out.append(f"error {type(exc).__name__}")
+    finally:
+        opened.set()
+
+
+def test_an_open_stream_ends_when_its_token_is_revoked(api):
+    """(The fixture's server trusts a token for 0 s: the stream re-checks it every second.)"""
+    job_id = api.create("watched")["id"]  # queued, never final: the stream would stay open
+    lines: list[str] = []
+    opened = threading.Event()
+    reader = threading.Thread(target=_stream_lines, args=(api, job_id, api.read, lines, opened), daemon=True)
+    reader.start()
+    assert opened.wait(30) and lines[0] == "status 200"
+    time.sleep(1.5)
+    assert reader.is_alive()  # still open while the token is valid
+    revoke_token(api.store, api.read_token_id)
+    reader.join(timeout=15)
+    assert not reader.is_alive(), "the stream outlived its revoked token"
+    assert "event: unauthorized" in lines and any("invalid or revoked token" in line for line in lines)
+
+
+def test_sigterm_ends_open_streams_and_the_server(store_url, tmp_path):
+    """An open /events/stream no longer holds `miles serve` after SIGTERM: the stream ends with `shutdown`
+    and the process exits (both stores)."""
+    from miles_control.store.tokens import create_token
+    from miles_control.testing import ApiServer
+
+    store = Store(store_url)
+    _, secret = create_token(store, "reader", "read")
+    job_id = store.create_job("watched", {"name": "watched"})
+    server = ApiServer(store_url, tmp_path, launcher="off", poll_interval_s="0.2", cpus="2").start()
+    try:
+        lines: list[str] = []
+        opened = threading.Event()
+        headers = {"Authorization": f"Bearer {secret}"}
+        reader = threading.Thread(target=_stream_lines, args=(server, job_id, headers, lines, opened), daemon=True)
+        reader.start()
+        assert opened.wait(30) and lines[0] == "status 200"
+        time.sleep(1.0)
+        start = time.monotonic()
+        server.proc.terminate()
+        server.proc.wait(timeout=30)
+        stopped_s = time.monotonic() - start
+        reader.join(timeout=10)
+        assert "event: shutdown" in lines, lines
+        assert stopped_s < 10, f"miles serve took {stopped_s:.1f} s to stop with a stream open"
+    finally:
+        server.stop()
+        store.engine.dispose()
+
+
+def test_hostile_bodies_get_4xx_not_500(api, tmp_path):
+    """Each of these answered 500 before: the symlink loop, the lone surrogates and the deep nesting."""
+    import os
+
+    raw = {**api.admin, "content-type": "application/json"}
+
+    def send(content: bytes) -> httpx.Response:
+        return httpx.post(api.url + "/api/v1/jobs", headers=raw, content=content, timeout=30)
+
+    (tmp_path / "data").mkdir(exist_ok=True)
+    os.symlink(tmp_path / "data" / "loop", tmp_path / "data" / "loop")
+    errors = field_errors(api.post("/api/v1/jobs", json={"spec": {"name": "x", "data": {"path": "loop"}}}))
+    assert "cannot be resolved" in errors["body.spec.data.path"]
+    r = send(b'{"spec": {"name": "\\ud800"}}')  # a lone surrogate: no database can store it
+    assert r.status_code == 422 and "lone surrogate" in r.text and "\\\\ud800" in r.text  # echoed escaped
+    assert send(b'{"spec": {"name": "x", "\\udfff": 1}}').status_code == 422  # also in a key
+    for depth in (33, 500, 980, 50_000):
+        r = send(b'{"spec": {"name": "x", "seed": ' + b"[" * depth + b"]" * depth + b"}}")
+        assert r.status_code == 400 and "nests deeper than 32 levels" in r.json()["detail"], (depth, r.text)
+    assert (
+        send(b'{"spec": {"name": "x", "seed": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}}').status_code == 422
+    )  # in a string
+    r = send(b'{"spec": {"name": "\xff\xfe"}}')
+    assert r.status_code == 400 and "not UTF-8" in r.json()["detail"]
+    errors = field_errors(api.post("/api/v1/jobs", json={"spec": {"name": "x" * 201}}))  # the store's column
+    assert "at most 200 characters" in errors["body.spec.name"]
+    chunks = (b" " * 65536 for _ in range(20))  # no Content-Length: counted as it streams in
+    r = httpx.post(api.url + "/api/v1/jobs", headers=raw, content=chunks, timeout=30)
+    assert r.status_code == 413 and "over the limit" in r.json()["detail"]
+    job = api.create("streamed")["id"]
+    with httpx.stream(
+        "GET", f"{api.url}/api/v1/jobs/{job}/events/stream", headers={**api.read, "Last-Event-ID": "9" * 5000}
+    ) as r:
+        assert r.status_code == 200
+    assert api.store.jobs()[1] == 1  # only the one valid job was stored

@@ -60,7 +60,16 @@ def serve(
         raise typer.Exit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     console.print(f"Miles API on http://{host}:{port} (store {settings.store_url}, launcher {settings.launcher})")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            app.state.stopping.set()  # event streams end now instead of holding the shutdown open
+            super().handle_exit(sig, frame)
+
+    # A client that holds a connection open past the grace period is cut off.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    Server(config).run()
 
 
 def dashboard(

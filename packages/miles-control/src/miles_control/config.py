@@ -199,7 +199,7 @@ class RayConfig(_Strict):
 class JobSpec(_Strict):
     """Everything one run needs. Unknown fields are errors."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=200, description="Shown in lists; at most 200 characters.")
     seed: int = 0
     model: ModelConfig = Field(default_factory=BuiltinModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -35,12 +36,40 @@ except PackageNotFoundError:  # pragma: no cover - a source tree without metadat
     VERSION = "0.0.0"
 
 
-class BodyTooLarge(Exception):
-    pass
+MAX_JSON_DEPTH = 32  # a job spec nests 4 levels; deeper input is refused before any parser recurses into it
 
 
-class BodyLimit:
-    """413 for bodies over `max_bytes`, by Content-Length or while a chunked body streams in."""
+def json_body_problem(body: bytes) -> str | None:
+    """Why a JSON request body is refused before parsing (400): not UTF-8, or nested too deep."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the request body is not UTF-8 text (byte {exc.start})"
+    depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
+        elif char in "]}":
+            depth -= 1
+    return None
+
+
+class BodyGuard:
+    """Reads a request body before the app does: 413 over `max_bytes` (by Content-Length, or counted while a
+    body without one streams in), 400 for a JSON body that is not UTF-8 or nests too deep; then hands the
+    body to the app."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -48,35 +77,42 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._reject(send, int(length) if length.isdigit() else None)
-        received = 0
-        started = False
-
-        async def limited_receive():
-            nonlocal received
+            size = f"{int(length)} bytes" if length.isdigit() else "the body"
+            return await self._reject(send, 413, f"{size} is over the limit of {self.max_bytes} bytes")
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise BodyTooLarge
-            return message
+            if message["type"] != "http.request":
+                return  # the client left
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._reject(send, 413, f"the body is over the limit of {self.max_bytes} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if b"json" in headers.get(b"content-type", b"") and (problem := json_body_problem(body)):
+            return await self._reject(send, 400, problem)
+        given = False
 
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def replay():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self._reject(send, None)
+        await self.app(scope, replay, send)
 
-    async def _reject(self, send, length: int | None) -> None:
-        size = f"{length} bytes" if length is not None else "the body"
-        response = JSONResponse({"detail": f"{size} is over the limit of {self.max_bytes} bytes"}, status_code=413)
-        await response({"type": "http"}, None, send)
+    @staticmethod
+    async def _reject(send, status: int, detail: str) -> None:
+        await JSONResponse({"detail": detail}, status_code=status)({"type": "http"}, None, send)
 
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -111,11 +147,14 @@ class Measure:
 
 
 def _finite(value):
-    """JSON has no inf or NaN: where a rejected input held them, say so as text."""
+    """What a 422 echoes of a rejected input, as JSON can hold it: inf and NaN as text, a lone surrogate
+    (not encodable as UTF-8) as its escape."""
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {_finite(k): _finite(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_finite(v) for v in value]
     return value
@@ -172,6 +211,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         generate_unique_id_function=lambda route: route.name,  # stable operation ids: the function names
     )
     app.state.settings, app.state.store, app.state.launcher = settings, store, launcher
+    app.state.stopping = threading.Event()  # set by `miles serve` on SIGTERM/SIGINT: open event streams end
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.state.token_touched, app.state.token_cache = {}, {}
     app.include_router(router)
@@ -228,5 +268,5 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(Measure, requests=requests, latency=latency)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
     return app

@@ -22,7 +22,10 @@ def _problem(loc: tuple[str, ...], msg: str) -> Problem:
 def confine(root: Path, raw: str) -> Path | None:
     """`raw` resolved under `root` (relative paths are taken from the root), or None if it escapes it."""
     root = root.resolve()
-    path = (root / raw).resolve()  # an absolute `raw` replaces root; `..` and symlinks are resolved
+    try:
+        path = (root / raw).resolve()  # an absolute `raw` replaces root; `..` and symlinks are resolved
+    except (OSError, RuntimeError):  # a symlink loop, a name too long: not a path a job can use
+        return None
     return path if path == root or root in path.parents else None
 
 
@@ -79,6 +82,11 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
     def confined(root: Path, raw: str | None, loc: tuple[str, ...], what: str) -> str | None:
         if raw is None:
             return None
+        try:
+            (root / raw).resolve()
+        except (OSError, RuntimeError) as exc:
+            problems.append(_problem(loc, f"{what} {raw!r} cannot be resolved ({exc})"))
+            return raw
         path = confine(root, raw)
         if path is None:
             problems.append(_problem(loc, f"{what} {raw!r} is outside {root.resolve()}"))

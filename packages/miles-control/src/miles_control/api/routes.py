@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path as FilePath
 from typing import Annotated
 
@@ -32,6 +33,7 @@ from miles_control.api.schemas import (
 )
 from miles_control.schedules.control import ScheduleChangeError, queue_schedule_change
 from miles_control.store import FINAL, InvalidTransition, Job, JobNotFound, JobStatus, Store
+from miles_control.store.tokens import check_token
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
@@ -243,17 +245,34 @@ async def stream_events(
     _: ReadToken,
     after_id: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> StreamingResponse:
-    """Each event: `id:` (send it back as `Last-Event-ID` to continue), `event:` (its kind), `data:` (JSON)."""
+    """Each event: `id:` (send it back as `Last-Event-ID` to continue), `event:` (its kind), `data:` (JSON).
+
+    The stream ends with `event: end` once the job is final, `event: shutdown` when the server stops (reconnect
+    with `Last-Event-ID`), or `event: unauthorized` when its token was revoked (checked every
+    `token_cache_s`, at least every second)."""
     store = _store(request)
     await run_in_threadpool(_job, store, job_id)
     last_header = request.headers.get("last-event-id", "")
-    last_id = int(last_header) if last_header.isdigit() else after_id
-    poll_s = request.app.state.settings.poll_interval_s / 2
+    last_id = int(last_header[:10]) if last_header[:10].isdigit() and len(last_header) <= 10 else after_id
+    last_id = min(last_id, 2**31 - 1)
+    state = request.app.state
+    poll_s = state.settings.poll_interval_s / 2
+    recheck_s = max(state.settings.token_cache_s, 1.0)
+    secret = request.headers.get("authorization", "").partition(" ")[2]
 
     async def events():
         nonlocal last_id
         idle = 0.0
+        checked = time.monotonic()
         while not await request.is_disconnected():
+            if state.stopping.is_set():
+                yield f"event: shutdown\ndata: {json.dumps({'detail': 'the server is stopping; reconnect later'})}\n\n"
+                return
+            if time.monotonic() - checked >= recheck_s:
+                checked = time.monotonic()
+                if await run_in_threadpool(check_token, store, secret) is None:
+                    yield f"event: unauthorized\ndata: {json.dumps({'detail': 'invalid or revoked token'})}\n\n"
+                    return
             batch = await run_in_threadpool(store.events, job_id, last_id, 500)
             for e in batch:
                 data = EventPublic.model_validate(e).model_dump(mode="json")
