@@ -88,6 +88,9 @@ def test_bad_input_gets_4xx_naming_the_problem(api):
     urls = policy({"rollout": {"engine": {"type": "sglang", "urls": ["http://169.254.169.254"]}}})
     assert "not accepted" in urls["body.spec.rollout.engine.urls"]
     assert "leave it out" in policy({"sync": {"dir": "runs"}})["body.spec.sync.dir"]
+    rendezvous = policy({"sync": {"transport": "broadcast", "master_address": "8.8.8.8", "master_port": 80}})
+    assert "rendezvous" in rendezvous["body.spec.sync.master_address"]  # the policy of engine `urls`
+    assert "rendezvous" in rendezvous["body.spec.sync.master_port"]
     # the server's limits (ServerSettings.limits), named with the setting that raises them
     huge = policy({"train": {"backend": {"type": "fsdp2", "world_size": 1_000_000}}, "schedule": {"num_steps": 1e12},
                    "model": {"hidden_size": 1e9}, "rollout": {"engine": {"type": "sglang", "num_engines": 1_000_000,
@@ -201,22 +204,46 @@ def test_operation_ids_are_stable(api):
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 
 
-def test_rewards_over_the_api_are_functions_of_allowed_modules_only():
+def test_rewards_over_the_api_are_functions_of_allowed_modules_only(tmp_path, monkeypatch):
+    """Checked from the module's source: the server never imports (runs) a plug-in module."""
+    import sys
+
     from miles_control.api.policy import check_spec
     from miles_control.api.settings import ServerSettings
     from miles_control.config import JobSpec
+
+    plugin = tmp_path / "plug"
+    (plugin / "pkg").mkdir(parents=True)
+    (plugin / "pkg" / "__init__.py").write_text("open(__file__ + '.imported', 'w').close()\n")
+    (plugin / "pkg" / "scores.py").write_text(
+        "import os.path\n"
+        "from os.path import join\n"
+        "open(__file__ + '.imported', 'w').close()  # what a heavy import would cost the server\n"
+        "def score(sample, scale=1.0):\n    return 1.0\n"
+        "async def ascore(sample):\n    return 1.0\n"
+        "def pair(a, b):\n    return 1.0\n"
+        "class Scorer:\n    def __call__(self, sample):\n        return 1.0\n"
+        "alias = score\n"
+    )
+    monkeypatch.syspath_prepend(str(plugin))
 
     def problems(reward: str, modules: list[str]) -> list[str]:
         spec = JobSpec.model_validate({"name": "x", "rollout": {"reward": reward}})
         return [p["msg"] for p in check_spec(spec, ServerSettings(plugin_modules=modules, cpus=4))[1]]
 
     assert problems("exact_match", []) == []  # registered
-    assert problems("json:loads", ["json"]) == []  # defined in an allowed module
-    assert "unknown reward" in problems("json:loads", [])[0]
-    assert "unknown reward" in problems("json:codecs.open", ["json"])[0]  # a path through the module
-    assert "unknown reward" in problems("jsonx:loads", ["json"])[0]  # a prefix is not a module
-    assert "is not defined in" in problems("miles_rollout.rewards:resolve_dotted", ["miles_rollout.rewards"])[0]
-    assert "has no attribute" in problems("json:nope", ["json"])[0]
+    assert problems("pkg.scores:score", ["pkg"]) == []  # a function of an allowed module
+    assert problems("pkg.scores.ascore", ["pkg.scores"]) == []
+    assert "is a class, not a function" in problems("pkg.scores:Scorer", ["pkg"])[0]
+    assert "must take 1 positional argument(s); it takes 2" in problems("pkg.scores:pair", ["pkg"])[0]
+    assert "defines no function 'join'" in problems("pkg.scores:join", ["pkg"])[0]  # imported from elsewhere
+    assert "defines no function 'alias'" in problems("pkg.scores:alias", ["pkg"])[0]
+    assert "defines no function 'nope'" in problems("pkg.scores:nope", ["pkg"])[0]
+    assert "cannot find module 'pkg.missing'" in problems("pkg.missing:f", ["pkg"])[0]
+    assert "unknown reward" in problems("pkg.scores:score", [])[0]  # not an allowed module
+    assert "unknown reward" in problems("pkg.scores:os.path", ["pkg"])[0]  # a path through the module
+    assert "unknown reward" in problems("pkgx:score", ["pkg"])[0]  # a prefix is not a module
+    assert not list(plugin.rglob("*.imported")) and "pkg" not in sys.modules  # nothing was run
 
 
 def test_limits_are_server_settings(monkeypatch):

@@ -45,3 +45,42 @@ def resolve_dotted(path: str) -> Any:
         except AttributeError:
             raise ValueError(f"module {module_name!r} has no attribute {attr_path!r} (from {path!r})") from None
     return obj
+
+
+def locate_function(path: str, positional: int = 1) -> str:
+    """Check, without importing anything, that `path` names a function defined at the top of its module's source
+    (a `def`, not a class or a name imported from elsewhere) that can be called with `positional` arguments;
+    returns the source file. Raises ValueError naming what is wrong.
+
+    What a server uses to accept a plug-in it must not run: importing a module executes it, and may load
+    heavy dependencies into the server (the job's driver imports it instead)."""
+    import ast
+    from importlib.machinery import PathFinder
+
+    plugin_dirs_on_path()
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr.isidentifier():
+        raise ValueError(f"{path!r} is not a dotted path like 'package.module:function'")
+    search: list[str] | None = None
+    spec = None
+    parts = module_name.split(".")
+    for depth in range(len(parts)):
+        name = ".".join(parts[: depth + 1])
+        spec = PathFinder.find_spec(name, search)
+        if spec is None:
+            raise ValueError(f"cannot find module {name!r} of {path!r}")
+        search = list(spec.submodule_search_locations or [])
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise ValueError(f"module {module_name!r} of {path!r} has no Python source to check")
+    tree = ast.parse(open(spec.origin, encoding="utf-8").read(), spec.origin)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == attr:
+            raise ValueError(f"{path!r} is a class, not a function")
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == attr:
+            args = node.args
+            params = [*args.posonlyargs, *args.args]
+            required = len(params) - len(args.defaults)
+            if args.vararg is None and len(params) < positional or required > positional:
+                raise ValueError(f"{path!r} must take {positional} positional argument(s); it takes {len(params)}")
+            return spec.origin
+    raise ValueError(f"module {module_name!r} defines no function {attr!r} (a top-level `def`)")

@@ -109,6 +109,9 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
     )
     if data["sync"].get("dir") is not None:  # the disk transport deletes old versions there: each run has its own
         problems.append(_problem(("sync", "dir"), "the server gives each run its own weights folder; leave it out"))
+    for key in ("master_address", "master_port"):  # as engine `urls`: a job over the API names no host to contact
+        if key in spec.sync.model_fields_set:
+            problems.append(_problem(("sync", key), "the server chooses the weight group's rendezvous; leave it out"))
     engine = data["rollout"]["engine"]
     if engine["type"] == "sglang":
         if engine["extra_args"]:
@@ -146,12 +149,10 @@ def _check_reward(reward: str, settings: ServerSettings) -> list[Problem]:
         names = ", ".join(registered_rewards())
         extra = f"; or a function of {', '.join(settings.plugin_modules)}" if settings.plugin_modules else ""
         return [_problem(("rollout", "reward"), f"unknown reward {reward!r}: use one of {names}{extra}")]
-    try:
-        from miles_rollout.rewards import resolve_reward
+    from miles_rollout.plugins import locate_function
 
-        fn = resolve_reward(reward)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
+    try:  # read, not imported: a module runs when imported, and the server must not run job code
+        locate_function(reward, positional=1)
+    except (ValueError, OSError, SyntaxError) as exc:
         return [_problem(("rollout", "reward"), str(exc))]
-    if not allowed(getattr(fn, "__module__", "") or ""):  # e.g. a name the module imported from elsewhere
-        return [_problem(("rollout", "reward"), f"{reward!r} is not defined in {', '.join(settings.plugin_modules)}")]
     return []
