@@ -66,3 +66,9 @@ def test_jobs_commands_against_a_server(api):
     down = miles("jobs", "list", env={**env, "MILES_API_URL": "http://127.0.0.1:9"})
     assert down.returncode == 1 and "cannot reach the Miles API" in down.stderr
     assert check_token(api.store, token) is not None
+    # names with terminal escape sequences are shown, not obeyed
+    hostile = api.create("evil\x1b]0;pwned\x07\x1b[2J\r[bold]x")
+    for args in (("jobs", "list"), ("jobs", "show", str(hostile["id"]))):
+        printed = miles(*args, env={**env, "COLUMNS": "200"})
+        assert printed.returncode == 0 and "\x1b" not in printed.stdout and "\x07" not in printed.stdout
+        assert "\\x1b]0;pwned\\x07\\x1b[2J\\r[bold]x" in printed.stdout, printed.stdout

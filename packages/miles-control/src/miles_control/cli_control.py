@@ -97,6 +97,21 @@ def dashboard(
     raise typer.Exit(subprocess.call(cmd, env=env))
 
 
+def printable(text: str | None) -> str:
+    """Text from the store or the API as a terminal may print it: control characters (escape sequences, bells,
+    carriage returns) shown as visible escapes."""
+    import unicodedata
+
+    if text is None:
+        return ""
+    return "".join(ch if ch == "\n" or unicodedata.category(ch) not in ("Cc", "Cf") else ascii(ch)[1:-1] for ch in text)
+
+
+def shown(text: str | None) -> str:
+    """`printable(text)` with Rich markup escaped."""
+    return escape(printable(text))
+
+
 # --- jobs: a client of the API ------------------------------------------------------------------
 jobs_app = typer.Typer(help="Jobs of a running `miles serve`, over its REST API.", no_args_is_help=True)
 
@@ -137,7 +152,7 @@ def jobs_list(
     for job in page.items:
         step = f"{job.last_step or 0}/{job.num_steps}"
         created = job.created_at.isoformat(sep=" ")[:19]
-        table.add_row(str(job.id), escape(job.name), job.status, job.schedule, step, created)
+        table.add_row(str(job.id), shown(job.name), job.status, job.schedule, step, created)
     out.print(table)
 
 
@@ -146,14 +161,14 @@ def jobs_show(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None
     """Status, attempts, checkpoints and the newest metrics of a job."""
     client = _client(api, token)
     job = _api_call(lambda: client.job(job_id))
-    out.print(f"[bold]job {job.id}[/] {escape(job.name)}: [bold]{job.status}[/] ({job.schedule}, "
+    out.print(f"[bold]job {job.id}[/] {shown(job.name)}: [bold]{job.status}[/] ({job.schedule}, "
               f"step {job.last_step or 0}/{job.num_steps})")  # fmt: skip
     if job.error:
-        out.print(f"error: {job.error}", highlight=False)
+        out.print(f"error: {shown(job.error)}", highlight=False)
     for a in job.attempts:
-        where = f"pid {a.driver_pid} on {a.driver_host}" if a.driver_pid else a.submission_id or ""
+        where = f"pid {a.driver_pid} on {shown(a.driver_host)}" if a.driver_pid else shown(a.submission_id)
         out.print(f"attempt {a.number} ({a.launcher}, from step {a.resume_step}): {a.status} {where} "
-                  f"{a.exit_reason or ''}", highlight=False)  # fmt: skip
+                  f"{shown(a.exit_reason)}", highlight=False)  # fmt: skip
     if job.checkpoints:
         out.print(f"checkpoints at steps {', '.join(str(c.step) for c in job.checkpoints)}")
     latest: dict[str, tuple[int, float]] = {}
@@ -164,7 +179,7 @@ def jobs_show(job_id: int, api: ApiUrl = DEFAULT_API, token: Token = "") -> None
         for col in ("metric", "step", "value"):
             table.add_column(col)
         for name, (step, value) in sorted(latest.items()):
-            table.add_row(name, str(step), f"{value:.4g}")
+            table.add_row(shown(name), str(step), f"{value:.4g}")
         out.print(table)
 
 
@@ -211,7 +226,7 @@ def jobs_events(
 
     def show(created: str, kind: str, step: int | None, message: str) -> None:
         where = f" step {step}" if step is not None else ""
-        out.print(f"{created[:19]} [{kind}]{where} {message}", markup=False, highlight=False)
+        out.print(f"{created[:19]} [{kind}]{where} {printable(message)}", markup=False, highlight=False)
 
     if not follow:
         for event in _api_call(lambda: client.events(job_id, limit=1000)):
@@ -264,7 +279,7 @@ def tokens_list(
         table.add_column(col)
     for t in list_tokens(Store(store), include_revoked=all_):
         when = [str(x)[:19] if x else "-" for x in (t.created_at, t.last_used_at, t.revoked_at)]
-        table.add_row(str(t.id), escape(t.name), t.scope, t.prefix + "…", *when)
+        table.add_row(str(t.id), shown(t.name), t.scope, t.prefix + "…", *when)
     out.print(table)
 
 
