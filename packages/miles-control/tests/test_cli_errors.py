@@ -116,3 +116,27 @@ def test_schedule_set_queues_live_changes_and_refuses_others(tmp_path):
     assert missing.returncode == 2 and "no job 999" in missing.stderr
     assert len(store.pending_schedule_changes(job)) == 1  # nothing else was queued
     assert store.pending_schedule_changes(fully_async) == store.pending_schedule_changes(sync) == []
+
+
+def test_first_run_mistakes_are_one_line_and_exit_2(tmp_path):
+    """A folder, an empty path, a file that is not UTF-8, a store URL of no database: one line naming the
+    problem (no traceback), exit 2."""
+    (tmp_path / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
+
+    def miles(*args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "COLUMNS": "300"}
+        return subprocess.run([*MILES, *args], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+
+    cases = [
+        (("run", str(tmp_path)), "is a folder, not a job spec"),
+        (("run", ""), "is a folder, not a job spec"),
+        (("run", str(tmp_path / "latin1.yaml")), "line 1: not UTF-8 text (byte 9)"),
+        (("serve", "--store", "nonsense://x"), "store nonsense://x: not a database URL Miles can open"),
+        (("tokens", "list", "--store", "postgresql+psycopg://u:secretpw@127.0.0.1:1/x"),
+         "store postgresql+psycopg://u:***@127.0.0.1:1/x: cannot open it"),
+    ]  # fmt: skip
+    for args, expected in cases:
+        result = miles(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert expected in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
+        assert "secretpw" not in result.stderr + result.stdout

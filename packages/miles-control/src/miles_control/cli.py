@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -92,8 +93,6 @@ def run(
             # Plug-in modules (a reward by dotted path) may sit beside the job file.
             job_id = run_job(spec, on_phase=on_phase, on_step=on_step, store=store, plugin_dirs=[config.parent])
     except Exception as exc:  # the job row already holds the reason
-        from rich.markup import escape
-
         from miles_control.preflight import describe_error
 
         console.print(f"[bold red]job failed:[/] {escape(describe_error(exc))}", highlight=False)
@@ -239,7 +238,14 @@ register_control_commands(app)
 
 
 def main() -> None:
-    app(prog_name="miles")
+    from miles_control.store import StoreError
+    from miles_control.store.migrate import StoreSchemaError
+
+    try:
+        app(prog_name="miles")
+    except (StoreError, StoreSchemaError) as exc:  # any command that opens a store: one line, exit 2
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -59,8 +59,12 @@ def serve(
             console.print(f"[bold red]error:[/] {'.'.join(map(str, err['loc']))}: {err['msg']}", highlight=False)
         raise typer.Exit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    console.print(f"Miles API on http://{host}:{port} (store {settings.store_url}, launcher {settings.launcher})")
     app = create_app(settings)
+    from miles_control.store.store import shown_url
+
+    console.print(
+        f"Miles API on http://{host}:{port} (store {shown_url(settings.store_url)}, launcher {settings.launcher})"
+    )
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:

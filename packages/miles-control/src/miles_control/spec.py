@@ -99,8 +99,17 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     path = Path(path)
     if not path.exists():
         raise SpecError(str(path), ["no such file"])
+    if path.is_dir():
+        raise SpecError(str(path), ["is a folder, not a job spec (a YAML file)"])
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise SpecError(str(path), [f"line {line}: not UTF-8 text (byte {exc.start})"]) from None
+    except OSError as exc:
+        raise SpecError(str(path), [f"cannot read it: {exc.strerror or exc}"]) from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"

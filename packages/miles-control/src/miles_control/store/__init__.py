@@ -14,7 +14,15 @@ from miles_control.store.models import (
     Span,
     Step,
 )
-from miles_control.store.store import ACTIVE, FINAL, TRANSITIONS, InvalidTransition, JobNotFound, Store
+from miles_control.store.store import (
+    ACTIVE,
+    FINAL,
+    TRANSITIONS,
+    InvalidTransition,
+    JobNotFound,
+    Store,
+    StoreError,
+)
 
 __all__ = [
     "ACTIVE",
@@ -34,5 +42,6 @@ __all__ = [
     "ScheduleChange",
     "Span",
     "Step",
+    "StoreError",
     "Store",
 ]

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import create_engine, delete, event, func, select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from miles_control.store.migrate import ensure_schema
@@ -68,10 +69,31 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
+class StoreError(ValueError):
+    """A store that cannot be opened: a URL of no known database, a server that does not answer, a file that
+    cannot be created. The message names the URL (without its password) and the cause."""
+
+
+def shown_url(url: str) -> str:
+    """`url` as it may be printed: without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return repr(url)
+
+
 def make_engine(url: str) -> Engine:
-    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite"))
+    try:
+        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite"))
+    except (ArgumentError, NoSuchModuleError) as exc:
+        raise StoreError(
+            f"store {shown_url(url)}: not a database URL Miles can open ({exc}); use sqlite:///PATH or "
+            "postgresql+psycopg://USER:PASSWORD@HOST/DB"
+        ) from None
+    except OSError as exc:
+        raise StoreError(f"store {shown_url(url)}: cannot create its folder ({exc})") from None
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine
@@ -83,7 +105,12 @@ class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
-        ensure_schema(self.engine)
+        try:
+            ensure_schema(self.engine)
+        except (OperationalError, InterfaceError) as exc:
+            raise StoreError(
+                f"store {shown_url(url)}: cannot open it ({' '.join(str(exc.orig or exc).split())})"
+            ) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def session(self) -> Session:
