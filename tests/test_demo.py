@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def miles_run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Store]:
+def miles_run(tmp_path: Path, *overrides: str, progress: str = "--quiet") -> tuple[subprocess.CompletedProcess, Store]:
     url = f"sqlite:///{tmp_path}/miles.db"
     args = [
         sys.executable,
@@ -21,7 +21,7 @@ def miles_run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProc
         "miles_control.cli",
         "run",
         str(ROOT / "examples" / "arithmetic.yaml"),
-        "--quiet",
+        *progress.split(),
         "--set",
         f"store.url={url}",
         "--set",
@@ -65,7 +65,7 @@ def test_short_demo_learns(tmp_path):
 
 
 def test_two_trainer_ranks_inproc_transport(tmp_path):
-    _, store = miles_run(
+    result, store = miles_run(
         tmp_path,
         "schedule.num_steps=3",
         "train.backend.world_size=2",
@@ -73,8 +73,12 @@ def test_two_trainer_ranks_inproc_transport(tmp_path):
         "sync.transport=inproc",
         "rollout.num_prompts_per_step=16",
         "rollout.eval.num_prompts=50",
+        progress="--log-every 2",  # not a terminal: plain progress lines, no bar
     )
     assert store.job(1).status == "succeeded", store.job(1).error
+    lines = [line for line in result.stderr.splitlines() if "] step " in line]
+    assert [line.split("] step ")[1].split()[0] for line in lines] == ["2/3", "3/3"], result.stderr[-2000:]
+    assert "━" not in result.stderr and "] starting Ray actors" in result.stderr  # phases as lines too
     check_weight_syncs(store, 1, 3)
     assert {s.attrs["transport"] for s in store.spans(1, "weight_sync")} == {"inproc"}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -46,9 +47,15 @@ def load_spec_or_exit(config: Path, overrides: list[str]):
 def run(
     config: Annotated[Path, typer.Argument(help="Job spec (YAML).")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
-    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress: only held-out accuracy lines.")] = False,
+    log_every: Annotated[
+        int, typer.Option(min=1, help="Without a terminal (a log file, CI, nohup): a plain line every N steps.")
+    ] = 10,
 ) -> None:
-    """Run a job to the end, with live progress and a per-stage timing table."""
+    """Run a job to the end, with live progress and a per-stage timing table.
+
+    On a terminal, a progress bar; without one, a plain progress line every `--log-every` steps (and at each
+    phase, evaluation and the last step), which a log file keeps readable."""
     spec = load_spec_or_exit(config, set_)
 
     from miles_control.run import run_job
@@ -63,13 +70,17 @@ def run(
         TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"),
         console=console,
-        disable=quiet,
+        disable=quiet or not console.is_terminal,
     )
+    plain = not quiet and not console.is_terminal
+    started = time.monotonic()
     task = progress.add_task("starting", total=spec.schedule.num_steps, status="")
     last_eval = {"value": None}
 
     def on_phase(phase: str) -> None:
         progress.update(task, description=phase)
+        if plain:
+            console.print(f"[{time.monotonic() - started:6.0f} s] {phase}", markup=False, highlight=False)
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         if "eval/accuracy" in metrics:
@@ -86,6 +97,14 @@ def run(
         )
         if quiet and "eval/accuracy" in metrics:
             console.print(f"step {step}: eval accuracy {metrics['eval/accuracy']:.3f}")
+        elif plain and (step % log_every == 0 or step == spec.schedule.num_steps or "eval/accuracy" in metrics):
+            console.print(
+                f"[{time.monotonic() - started:6.0f} s] step {step}/{spec.schedule.num_steps}  "
+                f"reward {metrics['rollout/reward_mean']:.3f}  eval acc {acc}  loss {metrics['train/loss']:+.4f}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
     job_id = None
     try:
