@@ -59,8 +59,9 @@ def dashboard_api(tmp_path_factory):
 @pytest.fixture
 def app(dashboard_api, monkeypatch):
     monkeypatch.setenv("MILES_API_URL", dashboard_api["url"])
-    monkeypatch.setenv("MILES_TOKEN", dashboard_api["token"])
-    return AppTest.from_file(str(APP), default_timeout=60)
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.session_state["token"] = dashboard_api["token"]  # what signing in through the sidebar stores
+    return at
 
 
 def texts(at: AppTest) -> str:
@@ -146,3 +147,52 @@ def test_compare_page_puts_runs_side_by_side(app, dashboard_api):
     assert summary["achieved / ideal"].tolist() == [round(1.6 * 5 / 19.05, 2)] * 2  # rollout busy / wall
     assert len(at.get("vega_lite_chart")) >= 2
     assert "No report at" in texts(at)
+
+
+def test_every_visitor_signs_in_and_no_token_reaches_a_browser(dashboard_api, monkeypatch):
+    """A MILES_TOKEN in the dashboard's environment is not used, nor shown: a visitor signs in with their own."""
+    monkeypatch.setenv("MILES_API_URL", dashboard_api["url"])
+    monkeypatch.setenv("MILES_TOKEN", dashboard_api["token"])
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not at.exception
+    assert any("Sign in with your token" in i.value for i in at.info)
+    token_field = next(t for t in at.text_input if t.label == "Token")
+    assert token_field.value == "" and at.session_state["token"] == ""
+    token_field.input(dashboard_api["token"])
+    at.button(key="connect").click().run()
+    assert not at.info and at.session_state["token"] == dashboard_api["token"]  # signed in
+
+
+def test_miles_dashboard_passes_no_token_and_stops_on_sigterm(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from miles_control.testing import free_port
+
+    port = free_port()
+    env = {**os.environ, "MILES_TOKEN": "miles_secret_of_the_process"}
+    cmd = [sys.executable, "-m", "miles_control.cli", "dashboard", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.5)
+        served_by = open(f"/proc/{proc.pid}/environ", "rb").read()  # the process serving the port is this one
+        assert b"MILES_TOKEN" not in served_by and b"miles_secret_of_the_process" not in served_by
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

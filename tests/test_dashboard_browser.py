@@ -40,7 +40,7 @@ def stack(tmp_path):
     _, token = create_token(store, "browser", "admin")
     api = ApiServer(url, tmp_path, poll_interval_s="0.3", cpus="2", presets_dir=str(ROOT / "examples")).start()
     port = free_port()
-    env = {**os.environ, "MILES_API_URL": api.url, "MILES_TOKEN": token}
+    env = {**os.environ, "MILES_API_URL": api.url}
     log = open(tmp_path / "dashboard.log", "ab")
     ui = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", str(ROOT / "packages" / "miles-control" / "src" / "miles_control" / "dashboard" / "app.py"),
@@ -80,11 +80,19 @@ def wait_text(page, pattern: str, timeout_s: float = 240) -> None:
     page.get_by_text(re.compile(pattern)).first.wait_for(timeout=timeout_s * 1000)
 
 
+def sign_in(page, token: str) -> None:
+    """What every visitor does: the dashboard holds no token of its own."""
+    page.get_by_label("Token").fill(token)
+    page.get_by_role("button", name="Connect").click()
+
+
 def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     from playwright.sync_api import expect
 
     page, base = stack["page"], stack["base"]
     page.goto(base)
+    wait_text(page, "Sign in with your token")
+    sign_in(page, stack["token"])
     wait_text(page, "^Jobs$")
     wait_text(page, "No jobs yet")
     shot(page, "1-jobs-empty")
@@ -121,7 +129,7 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     while httpx.get(f"{stack['api'].url}/api/v1/jobs/{created['id']}", headers=headers).json()["status"] != "running":
         assert time.time() < deadline
         time.sleep(0.5)
-    page.goto(f"{base}/tune")
+    page.get_by_role("link", name="Tune").click()  # in-app navigation keeps the signed-in session
     wait_text(page, "tune-me")
     field = page.get_by_label("update_weights_interval")
     field.fill("3")
@@ -131,7 +139,8 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     page.get_by_role("button", name="Confirm").click()
     wait_text(page, "it applies at the job's next step")
     for _ in range(60):  # the change applies at the job's next step; the page shows it once reloaded
-        page.reload()
+        page.reload()  # a new browser session: sign in again
+        sign_in(page, stack["token"])
         wait_text(page, "tune-me")
         if page.get_by_text(re.compile(r"applied.*before step \d+")).count():
             break
@@ -142,6 +151,6 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     assert change.status == "applied" and change.patch == {"update_weights_interval": 3}
     httpx.post(f"{stack['api'].url}/api/v1/jobs/{created['id']}/cancel", headers=headers)
 
-    page.goto(f"{base}/compare")
+    page.get_by_role("link", name="Compare").click()
     wait_text(page, "Compare runs")
     shot(page, "7-compare")

@@ -78,15 +78,16 @@ def serve(
 
 def dashboard(
     api: ApiUrl = DEFAULT_API,
-    token: Annotated[str, typer.Option("--token", envvar="MILES_TOKEN", help="Token (or log in on the page).")] = "",
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8501,
     app_path: Annotated[
         Path | None, typer.Option("--app", help="The dashboard's app.py (default: the one miles-control ships).")
     ] = None,
 ) -> None:
-    """Run the Streamlit dashboard (jobs, live metrics and timelines, schedule tuning, comparisons)."""
-    import subprocess
+    """Run the Streamlit dashboard (jobs, live metrics and timelines, schedule tuning, comparisons).
+
+    Each visitor signs in with their own token; this process passes none to the dashboard (MILES_TOKEN is
+    removed from its environment). Streamlit replaces this process, so a signal to it stops the dashboard."""
     import sys
 
     app_file = app_path or Path(__file__).with_name("dashboard") / "app.py"  # shipped as package data
@@ -96,9 +97,11 @@ def dashboard(
         sys.executable, "-m", "streamlit", "run", str(app_file), "--server.address", host, "--server.port", str(port),
         "--server.headless", "true", "--browser.gatherUsageStats", "false",
     ]  # fmt: skip
-    console.print(f"Miles dashboard on http://{host}:{port} (API {api})")
-    env = {**os.environ, "MILES_API_URL": api, **({"MILES_TOKEN": token} if token else {})}
-    raise typer.Exit(subprocess.call(cmd, env=env))
+    console.print(f"Miles dashboard on http://{host}:{port} (API {api}; visitors sign in with their own token)")
+    env = {k: v for k, v in os.environ.items() if k != "MILES_TOKEN"} | {"MILES_API_URL": api}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, cmd, env)  # no child left behind: SIGTERM reaches Streamlit itself
 
 
 def printable(text: str | None) -> str:

@@ -19,18 +19,20 @@ STATUS_COLORS = {
 
 
 def api() -> MilesClient:
-    """The API client of this session: MILES_API_URL / MILES_TOKEN, or what the sidebar form was given."""
+    """The API client of this browser session: the API at MILES_API_URL (or the form's), with the token the
+    visitor signed in with. The dashboard process holds no token of its own: every visitor signs in with theirs,
+    and a token is never sent back to a browser (the field starts empty)."""
     state = st.session_state
     state.setdefault("api_url", os.environ.get("MILES_API_URL", "http://127.0.0.1:8420"))
-    state.setdefault("token", os.environ.get("MILES_TOKEN", ""))
+    state.setdefault("token", "")
     with st.sidebar.expander("Connection", expanded=not state.token):
         url = st.text_input("API URL", value=state.api_url, key="api_url_input")
-        token = st.text_input("Token", value=state.token, type="password", key="token_input")
+        token = st.text_input("Token", value="", type="password", key="token_input", placeholder="miles_…")
         if st.button("Connect", key="connect"):
             state.api_url, state.token = url.strip(), token.strip()
             st.rerun()
     if not state.token:
-        st.info("Give the API URL and a token (`miles tokens create --name me --scope admin`) in the sidebar.")
+        st.info("Sign in with your token in the sidebar (create one with `miles tokens create --name me`).")
         st.stop()
     client = MilesClient(state.api_url, state.token, timeout=15.0)
     try:
