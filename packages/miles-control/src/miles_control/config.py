@@ -81,6 +81,13 @@ class ScheduleBase(_Strict):
     checkpoint_every: int = Field(
         0, ge=0, description="Save a trainer checkpoint every N steps (0 = never); a resumed job starts after the last."
     )
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="When a worker process dies (a trainer rank or the rollout actor: killed, crashed, out of "
+        "memory), restart the job's workers from the newest checkpoint up to this many times before failing.",
+    )
 
     @model_validator(mode="before")
     @classmethod

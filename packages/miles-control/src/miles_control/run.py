@@ -32,6 +32,42 @@ def _finish(store: Store, job_id: int, status: JobStatus, error: str | None = No
         log.warning("job %d: not marked %s: %s", job_id, status.value, exc)
 
 
+def _worker_died(exc: BaseException) -> bool:
+    """A Ray actor process of the job is gone (killed, crashed, out of memory): not an error of the job's code,
+    which Ray reports as a task error instead."""
+    import ray.exceptions
+
+    return isinstance(exc, ray.exceptions.RayActorError)
+
+
+def _restart(spec, store, recorder, runtime, exc, restarts, job_id, parts):
+    """Replace a runtime whose worker died with a new one restored from the job's newest checkpoint (or from
+    the start): the records after that checkpoint are discarded, so the final curve has each step once."""
+    from miles_control.preflight import describe_error
+    from miles_control.runtime.job import JobRuntime
+
+    model_path, train_prompts, eval_prompts, run_dir = parts
+    try:
+        runtime.shutdown()
+    except Exception:  # noqa: BLE001 - the dead worker's group is killed either way
+        log.debug("shutdown of the failed runtime", exc_info=True)
+    checkpoint = store.last_checkpoint(job_id)
+    step = checkpoint.step if checkpoint is not None else 0
+    deleted = store.discard_from(job_id, step + 1 if step else 0)
+    recorder.event(
+        "restart",
+        f"a worker died ({describe_error(exc)}); restart {restarts} of {spec.schedule.max_restarts} from "
+        + (f"the checkpoint of step {step}" if step else "the start")
+        + f"; {deleted} records after it discarded",
+        step=step,
+        restart=restarts,
+    )
+    runtime = JobRuntime(spec, model_path, recorder, train_prompts, eval_prompts, run_dir / f"restart-{restarts}")
+    if checkpoint is not None:
+        runtime.restore(Path(checkpoint.path), step)
+    return runtime, step + 1
+
+
 def run_job(
     spec: JobSpec,
     on_phase: PhaseCallback = lambda phase: None,
@@ -96,9 +132,21 @@ def run_job(
         store.set_status(job_id, JobStatus.RUNNING, expect=JobStatus.STARTING)
         store.update_attempt(attempt.id, status="running")
         on_phase("running")
-        steps = SCHEDULES[spec.schedule.type](
-            runtime, spec.schedule, spec.rollout.eval.every_steps, on_step, first_step=first_step
-        )
+        restarts = 0
+        while True:
+            try:
+                steps = SCHEDULES[spec.schedule.type](
+                    runtime, spec.schedule, spec.rollout.eval.every_steps, on_step, first_step=first_step
+                )
+                break
+            except Exception as exc:
+                if not _worker_died(exc) or restarts >= spec.schedule.max_restarts:
+                    raise
+                restarts += 1
+                on_phase(f"restarting ({restarts}/{spec.schedule.max_restarts}): a worker died")
+                runtime, first_step = _restart(spec, store, recorder, runtime, exc, restarts, job_id,
+                                               (model_path, train_prompts, eval_prompts, run_dir))  # fmt: skip
+                on_phase("running")
         if spec.schedule.save_final:
             runtime.checkpoint(steps)
         store.set_status(job_id, JobStatus.SUCCEEDED)
