@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import text
 
 from miles_control.api.auth import ReadToken
-from miles_control.api.routes import router
+from miles_control.api.routes import _documented, router
 from miles_control.api.schemas import Health, PresetPublic
 from miles_control.api.settings import ServerSettings
 from miles_control.launch import Launcher
@@ -172,6 +172,22 @@ async def _validation_error(request, exc: RequestValidationError) -> JSONRespons
     return JSONResponse({"detail": _finite(jsonable_encoder(errors))}, status_code=422)
 
 
+async def _method_not_allowed(request, exc) -> JSONResponse:
+    """405 with an `Allow` header that lists every method of the path, over all its routes (Starlette's names
+    only those of the first route that matched the path: GET /jobs and POST /jobs are two routes)."""
+    from starlette.routing import Match
+
+    allowed = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match != Match.NONE and getattr(route, "methods", None):
+            for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+                if route.matches({**request.scope, "method": method})[0] == Match.FULL:
+                    allowed.add(method)
+    allow = ", ".join(sorted(allowed - {"HEAD"} if "GET" not in allowed else allowed))
+    return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers={"Allow": allow})
+
+
 class _JobCollector:
     """Scrape-time gauges from the store: jobs by status, and the newest step of each running job."""
 
@@ -213,6 +229,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.state.settings, app.state.store, app.state.launcher = settings, store, launcher
     app.state.stopping = threading.Event()  # set by `miles serve` on SIGTERM/SIGINT: open event streams end
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(405, _method_not_allowed)
     app.state.token_touched, app.state.token_cache = {}, {}
     app.include_router(router)
 
@@ -251,6 +268,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         response_model=list[PresetPublic],
         tags=["jobs"],
         summary="Job specs offered as starting points (the server's presets_dir, *.yaml)",
+        responses=_documented(401),
     )
     def list_presets(_: ReadToken) -> list[PresetPublic]:
         folder = settings.presets_dir
@@ -262,7 +280,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         tags=["service"],
         summary="Prometheus metrics",
         response_class=Response,
-        responses={200: {"content": {"text/plain": {}}}},
+        responses=_documented(401) | {200: {"content": {"text/plain": {}}}},
     )
     def prometheus_metrics(_: ReadToken) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from pathlib import Path as FilePath
-from typing import Annotated
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, HTTPException, Path, Query, Request
@@ -18,6 +18,7 @@ from miles_control.api.policy import check_spec
 from miles_control.api.schemas import (
     AttemptPublic,
     CheckpointPublic,
+    ErrorDetail,
     EventPublic,
     JobCreate,
     JobDetail,
@@ -35,7 +36,31 @@ from miles_control.schedules.control import ScheduleChangeError, queue_schedule_
 from miles_control.store import FINAL, InvalidTransition, Job, JobNotFound, JobStatus, Store
 from miles_control.store.tokens import check_token
 
-router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
+
+def _documented(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The error answers a route can give, for the OpenAPI document (every one has a `detail` string but 422)."""
+    return {code: {"model": ErrorDetail, "description": ERRORS[code]} for code in codes}
+
+
+ERRORS = {
+    400: "The body is not UTF-8 JSON, or nests too deep",
+    401: "No bearer token, or an invalid or revoked one",
+    403: "The token is read-only; this needs an admin token",
+    404: "No such job (or attempt log)",
+    409: "The job is not in a state that allows this",
+    413: "The body is over the server's limit",
+    502: "The Ray cluster did not answer",
+}
+JOB = _documented(401, 404)  # every route under /jobs/{job_id}
+CHANGE = _documented(400, 401, 403, 404, 409, 413)  # routes that change a job
+
+router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"], responses=_documented(401))
+
+
+def unprocessable(loc: list[str], msg: str) -> HTTPException:
+    """A 422 in the shape of every other 422 (FastAPI's validation errors): a list of {loc, msg, type}."""
+    return HTTPException(422, [{"loc": loc, "msg": msg, "type": "value_error"}])
+
 
 JobId = Annotated[int, Path(ge=1, le=2**31 - 1, description="The job's id.")]
 StepBound = Annotated[int | None, Query(ge=0, le=2**31 - 1)]
@@ -60,7 +85,8 @@ def _records(store: Store, job_id: int, model: type, rows: list) -> Response:
     if not rows:
         _job(store, job_id)
     fields = tuple(model.model_fields)
-    return Response(orjson.dumps([{f: getattr(r, f) for f in fields} for r in rows]), media_type="application/json")
+    rows_out = [{f: getattr(r, f) for f in fields} for r in rows]
+    return Response(orjson.dumps(rows_out, option=orjson.OPT_NAIVE_UTC), media_type="application/json")  # times in UTC
 
 
 def _public(job: Job, last_step: int | None) -> dict:
@@ -88,7 +114,13 @@ def _detail(store: Store, job: Job) -> JobDetail:
     )
 
 
-@router.post("", status_code=201, response_model=JobDetail, summary="Create a job (queued; launched when CPUs free)")
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobDetail,
+    summary="Create a job (queued; launched when CPUs free)",
+    responses=_documented(400, 403, 413),
+)
 def create_job(body: JobCreate, request: Request, _: AdminToken) -> JobDetail:
     spec, problems = check_spec(body.spec, request.app.state.settings)
     if problems:
@@ -109,20 +141,24 @@ def list_jobs(
 ) -> JobPage:
     for value in status or []:
         if value not in STATUSES:
-            raise HTTPException(422, f"status {value!r} is not one of {', '.join(STATUSES)}")
+            raise unprocessable(["query", "status"], f"status {value!r} is not one of {', '.join(STATUSES)}")
     store = _store(request)
     jobs, total = store.jobs(status=status, name=name, limit=limit, offset=offset)
     last = store.last_steps([j.id for j in jobs])
     return JobPage(items=[_public(j, last.get(j.id)) for j in jobs], total=total, limit=limit, offset=offset)
 
 
-@router.get("/{job_id}", response_model=JobDetail, summary="A job with its spec, attempts and checkpoints")
+@router.get(
+    "/{job_id}", response_model=JobDetail, summary="A job with its spec, attempts and checkpoints", responses=JOB
+)
 def get_job(job_id: JobId, request: Request, _: ReadToken) -> JobDetail:
     store = _store(request)
     return _detail(store, _job(store, job_id))
 
 
-@router.post("/{job_id}/cancel", response_model=JobDetail, summary="Cancel a queued, starting or running job")
+@router.post(
+    "/{job_id}/cancel", response_model=JobDetail, summary="Cancel a queued, starting or running job", responses=CHANGE
+)
 def cancel_job(job_id: JobId, request: Request, _: AdminToken) -> JobDetail:
     store = _store(request)
     _job(store, job_id)
@@ -133,7 +169,9 @@ def cancel_job(job_id: JobId, request: Request, _: AdminToken) -> JobDetail:
     return _detail(store, store.job(job_id))
 
 
-@router.post("/{job_id}/resume", response_model=JobDetail, summary="Queue a failed or cancelled job again")
+@router.post(
+    "/{job_id}/resume", response_model=JobDetail, summary="Queue a failed or cancelled job again", responses=CHANGE
+)
 def resume_job(job_id: JobId, request: Request, _: AdminToken) -> JobDetail:
     """The next attempt starts after the job's last checkpoint (from scratch when it has none)."""
     store = _store(request)
@@ -147,7 +185,11 @@ def resume_job(job_id: JobId, request: Request, _: AdminToken) -> JobDetail:
 
 
 @router.patch(
-    "/{job_id}/schedule", status_code=202, response_model=ScheduleChangePublic, summary="Change live schedule fields"
+    "/{job_id}/schedule",
+    status_code=202,
+    response_model=ScheduleChangePublic,
+    summary="Change live schedule fields",
+    responses=CHANGE,
 )
 def patch_schedule(job_id: JobId, body: SchedulePatch, request: Request, _: AdminToken) -> ScheduleChangePublic:
     """Applied at the job's next step boundary and recorded (see `list_schedule_changes` and the events)."""
@@ -156,18 +198,22 @@ def patch_schedule(job_id: JobId, body: SchedulePatch, request: Request, _: Admi
     try:  # the same check `miles schedule set` runs
         change_id = queue_schedule_change(store, job_id, body.model_dump(exclude_none=True))
     except ScheduleChangeError as exc:
-        raise HTTPException(409 if exc.conflict else 422, str(exc)) from None
+        if exc.conflict:
+            raise HTTPException(409, str(exc)) from None
+        raise unprocessable(["body"], str(exc)) from None
     return ScheduleChangePublic.model_validate(next(c for c in store.schedule_changes(job_id) if c.id == change_id))
 
 
-@router.get("/{job_id}/schedule-changes", response_model=list[ScheduleChangePublic])
+@router.get("/{job_id}/schedule-changes", response_model=list[ScheduleChangePublic], responses=JOB)
 def list_schedule_changes(job_id: JobId, request: Request, _: ReadToken) -> list[ScheduleChangePublic]:
     store = _store(request)
     _job(store, job_id)
     return [ScheduleChangePublic.model_validate(c) for c in store.schedule_changes(job_id)]
 
 
-@router.get("/{job_id}/metrics", response_model=list[MetricPoint], summary="Metric points by name and step range")
+@router.get(
+    "/{job_id}/metrics", response_model=list[MetricPoint], summary="Metric points by name and step range", responses=JOB
+)
 def get_metrics(
     job_id: JobId,
     request: Request,
@@ -177,19 +223,19 @@ def get_metrics(
     step_max: StepBound = None,
 ) -> Response:
     if any(len(n) > 200 or "\x00" in n for n in name or []):
-        raise HTTPException(422, "name: at most 200 characters, no NUL")
+        raise unprocessable(["query", "name"], "at most 200 characters, no NUL")
     store = _store(request)
     return _records(store, job_id, MetricPoint, store.metrics(job_id, name, step_min, step_max))
 
 
-@router.get("/{job_id}/metric-names", response_model=list[str])
+@router.get("/{job_id}/metric-names", response_model=list[str], responses=JOB)
 def list_metric_names(job_id: JobId, request: Request, _: ReadToken) -> list[str]:
     store = _store(request)
     _job(store, job_id)
     return store.metric_names(job_id)
 
 
-@router.get("/{job_id}/spans", response_model=list[SpanPublic], summary="Per-stage timing spans")
+@router.get("/{job_id}/spans", response_model=list[SpanPublic], summary="Per-stage timing spans", responses=JOB)
 def get_spans(
     job_id: JobId,
     request: Request,
@@ -206,6 +252,7 @@ def get_spans(
     "/{job_id}/summary",
     response_model=RunSummaryPublic,
     summary="Time per stage, throughput, busy time, the ideal-overlap bound, weight-update latency",
+    responses=JOB,
 )
 def get_summary(job_id: JobId, request: Request, _: ReadToken) -> dict:
     from miles_control.summary import summarize
@@ -215,13 +262,13 @@ def get_summary(job_id: JobId, request: Request, _: ReadToken) -> dict:
     return summarize(store, job_id).to_dict()
 
 
-@router.get("/{job_id}/steps", response_model=list[StepPublic])
+@router.get("/{job_id}/steps", response_model=list[StepPublic], responses=JOB)
 def get_steps(job_id: JobId, request: Request, _: ReadToken) -> Response:
     store = _store(request)
     return _records(store, job_id, StepPublic, store.steps(job_id))
 
 
-@router.get("/{job_id}/events", response_model=list[EventPublic])
+@router.get("/{job_id}/events", response_model=list[EventPublic], responses=JOB)
 def get_events(
     job_id: JobId,
     request: Request,
@@ -237,7 +284,7 @@ def get_events(
     "/{job_id}/events/stream",
     summary="Events as server-sent events; ends once the job is final",
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}}},
+    responses=JOB | {200: {"content": {"text/event-stream": {}}}},
 )
 async def stream_events(
     job_id: JobId,
@@ -292,7 +339,9 @@ async def stream_events(
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/{job_id}/samples", response_model=list[SamplePublic], summary="A few generations per step, as text")
+@router.get(
+    "/{job_id}/samples", response_model=list[SamplePublic], summary="A few generations per step, as text", responses=JOB
+)
 def get_samples(
     job_id: JobId,
     request: Request,
@@ -304,14 +353,14 @@ def get_samples(
     return _records(store, job_id, SamplePublic, store.samples(job_id, step, limit))
 
 
-@router.get("/{job_id}/attempts", response_model=list[AttemptPublic])
+@router.get("/{job_id}/attempts", response_model=list[AttemptPublic], responses=JOB)
 def list_attempts(job_id: JobId, request: Request, _: ReadToken) -> list[AttemptPublic]:
     store = _store(request)
     _job(store, job_id)
     return [AttemptPublic.model_validate(a) for a in store.attempts(job_id)]
 
 
-@router.get("/{job_id}/checkpoints", response_model=list[CheckpointPublic])
+@router.get("/{job_id}/checkpoints", response_model=list[CheckpointPublic], responses=JOB)
 def list_checkpoints(job_id: JobId, request: Request, _: ReadToken) -> list[CheckpointPublic]:
     store = _store(request)
     _job(store, job_id)
@@ -320,8 +369,7 @@ def list_checkpoints(job_id: JobId, request: Request, _: ReadToken) -> list[Chec
 
 @router.get(
     "/{job_id}/logs",
-    response_class=PlainTextResponse,
-    responses={200: {"content": {"text/plain": {}}}},
+    responses=JOB | _documented(502) | {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     summary="The tail of an attempt's driver log",
 )
 def get_logs(

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from miles_control.config import JobSpec
 from miles_rollout.config import PauseMode
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
+"""A time as the API sends it: with its zone (the store writes UTC; SQLite gives it back without one)."""
+
+
+class ErrorDetail(BaseModel):
+    """The body of every error but 422: what went wrong, in words."""
+
+    detail: str
 
 
 class _In(BaseModel):
@@ -67,10 +81,10 @@ class JobPublic(_Out):
     error: str | None
     source: str
     cancel_requested: bool
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    updated_at: datetime | None
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
+    updated_at: UtcDatetime | None
     schedule: str = Field(description="The schedule type: sync, one_step_off or fully_async.")
     last_step: int | None = Field(description="The newest completed step.")
     num_steps: int
@@ -87,15 +101,15 @@ class AttemptPublic(_Out):
     driver_pid: int | None
     driver_host: str | None
     submission_id: str | None
-    started_at: datetime
-    ended_at: datetime | None
+    started_at: UtcDatetime
+    ended_at: UtcDatetime | None
 
 
 class CheckpointPublic(_Out):
     step: int
     weight_version: int
     path: str
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class JobDetail(JobPublic):
@@ -183,7 +197,7 @@ class EventPublic(_Out):
     kind: str
     message: str
     data: dict[str, Any]
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class SamplePublic(_Out):
@@ -202,7 +216,7 @@ class ScheduleChangePublic(_Out):
     status: str
     message: str
     applied_step: int | None
-    requested_at: datetime
+    requested_at: UtcDatetime
 
 
 class Health(BaseModel):
