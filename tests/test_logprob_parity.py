@@ -25,7 +25,7 @@ def test_sglang_logprobs_match_trainer(dtype, tmp_path):
     from miles_train.collate import collate, token_logprobs
     from miles_train.types import TrainBatch
 
-    model_dir = build_builtin_model(BuiltinModelConfig(warm_start_steps=300))
+    model_dir = build_builtin_model(BuiltinModelConfig())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.encode(r.prompt) for r in arithmetic_prompts(32, seed=5)]
     engine = build_engine(SGLangEngineConfig(type="sglang", dtype=dtype, log_dir=str(tmp_path)), model_dir)

@@ -37,7 +37,7 @@ def test_trainer_recomputes_logprobs_at_the_temperature_the_engine_sampled(engin
     from miles_rollout.tasks.arithmetic import arithmetic_prompts
     from miles_train import TrainConfig, build_backend
 
-    model_dir = build_builtin_model(BuiltinModelConfig(warm_start_steps=300))
+    model_dir = build_builtin_model(BuiltinModelConfig())
     if engine_type == "hf":
         engine_config = HFEngineConfig(dtype="float32")
     else:

@@ -35,7 +35,7 @@ def model_dir():
     from miles_control.assets import build_builtin_model
     from miles_control.config import BuiltinModelConfig
 
-    return build_builtin_model(BuiltinModelConfig(warm_start_steps=300))
+    return build_builtin_model(BuiltinModelConfig())
 
 
 @pytest.fixture(scope="module")

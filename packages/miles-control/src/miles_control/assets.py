@@ -86,6 +86,27 @@ def build_builtin_model(config: BuiltinModelConfig, digits: int = 2, root: Path 
     return cached_folder(target, lambda staging: _build_into(config, digits, staging))
 
 
+def greedy_accuracy(model, tokenizer, records) -> float:
+    """Share of `records` whose greedy completion (up to 6 tokens, to the end-of-sequence token) is the label;
+    prompts of one length are decoded as one batch."""
+    import torch
+
+    by_length: dict[int, list] = {}
+    for r in records:
+        by_length.setdefault(len(tokenizer.encode(r.prompt)), []).append(r)
+    correct = 0
+    with torch.no_grad():
+        for group in by_length.values():
+            ids = torch.tensor([tokenizer.encode(r.prompt) for r in group])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+            for r, row in zip(group, out[:, ids.shape[1] :], strict=True):
+                correct += tokenizer.decode(row, skip_special_tokens=True).strip() == r.label
+    return correct / max(1, len(records))
+
+
 def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -118,8 +139,15 @@ def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
         for r in arithmetic_prompts(20000, seed=config.seed + 7_777, digits=digits)
     ]
     loss = float("nan")
+    held_out = arithmetic_prompts(200, seed=config.seed + 9_999, digits=digits)
+    progress = {"steps": 0, "accuracy": None}
+
+    def reached() -> bool:
+        progress["accuracy"] = greedy_accuracy(model, tokenizer, held_out)
+        return config.warm_start_target is not None and progress["accuracy"] >= config.warm_start_target
+
     if config.warm_start_steps:
-        log.info("warm start: %d supervised steps", config.warm_start_steps)
+        log.info("warm start: up to %d supervised steps, target %s", config.warm_start_steps, config.warm_start_target)
         loss = supervised_finetune(
             model,
             examples,
@@ -128,7 +156,15 @@ def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
             config.warm_start_lr,
             config.seed,
             tokenizer.pad_token_id,
+            on_step=lambda step, _: progress.update(steps=step + 1),
+            done=reached if config.warm_start_target is not None else None,
+            check_every=5,
         )
+        if config.warm_start_target is not None and not reached():
+            log.warning(
+                "warm start: held-out accuracy %.3f after %d steps, short of the target %.2f",
+                progress["accuracy"], progress["steps"], config.warm_start_target,
+            )  # fmt: skip
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(folder)
@@ -141,6 +177,8 @@ def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
                 "digits": digits,
                 "num_parameters": sum(p.numel() for p in model.parameters()),
                 "warm_start_final_loss": loss,
+                "warm_start_steps_done": progress["steps"],
+                "warm_start_accuracy": progress["accuracy"],
                 "build_seconds": round(time.time() - started, 2),
             },
             indent=1,

@@ -34,7 +34,17 @@ class BuiltinModelConfig(_Strict):
     num_heads: int = Field(4, gt=0)
     num_kv_heads: int = Field(2, gt=0)
     intermediate_size: int = Field(512, gt=0)
-    warm_start_steps: int = Field(240, ge=0, description="Supervised steps before RL (0 = random init).")
+    warm_start_steps: int = Field(
+        800, ge=0, description="The most supervised steps before RL (0 = random init, no warm start)."
+    )
+    warm_start_target: float | None = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="Stop the warm start once greedy accuracy on 200 held-out prompts reaches this (checked every "
+        "5 steps), so the model starts RL from the same accuracy on every machine (the steps it takes depend on "
+        "the CPU's kernels: AVX-512, AVX2). None: exactly `warm_start_steps` steps.",
+    )
     warm_start_lr: float = Field(1e-3, gt=0)
     warm_start_batch_size: int = Field(64, gt=0)
     seed: int = 0

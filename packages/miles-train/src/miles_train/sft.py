@@ -20,14 +20,23 @@ def supervised_finetune(
     seed: int = 0,
     pad_token_id: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    done: Callable[[], bool] | None = None,
+    check_every: int = 20,
 ) -> float:
-    """Train on completion tokens only (prompt tokens are context). Returns the last loss."""
+    """Train on completion tokens only (prompt tokens are context). Returns the last loss. With `done`, stop
+    early once it returns True (asked every `check_every` steps, and before the first)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     loss_value = float("nan")
     for step in range(num_steps):
+        if done is not None and step % check_every == 0:
+            model.eval()
+            finished = done()
+            model.train()
+            if finished:
+                break
         chosen = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         width = max(len(p) + len(c) for p, c in chosen)
         ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)
