@@ -171,22 +171,14 @@ def test_miles_dashboard_passes_no_token_and_stops_on_sigterm(tmp_path):
 
     import httpx
 
-    from miles_control.testing import free_port
+    from miles_control.testing import free_port, wait_until_serving
 
     port = free_port()
     env = {**os.environ, "MILES_TOKEN": "miles_secret_of_the_process"}
     cmd = [sys.executable, "-m", "miles_control.cli", "dashboard", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline and proc.poll() is None
-            time.sleep(0.5)
+        wait_until_serving(f"http://127.0.0.1:{port}/_stcore/health", proc)
         served_by = open(f"/proc/{proc.pid}/environ", "rb").read()  # the process serving the port is this one
         assert b"MILES_TOKEN" not in served_by and b"miles_secret_of_the_process" not in served_by
         proc.send_signal(signal.SIGTERM)

@@ -17,7 +17,7 @@ import yaml
 
 from miles_control.store import Store
 from miles_control.store.tokens import create_token
-from miles_control.testing import ApiServer, free_port, stop_local_ray
+from miles_control.testing import ApiServer, free_port, stop_local_ray, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts" / "screenshots"
@@ -48,15 +48,7 @@ def stack(tmp_path):
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/_stcore/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline and ui.poll() is None, (tmp_path / "dashboard.log").read_text()[-3000:]
-        time.sleep(0.5)
+    wait_until_serving(f"{base}/_stcore/health", ui, log=tmp_path / "dashboard.log")
     SHOTS.mkdir(parents=True, exist_ok=True)
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)

@@ -93,6 +93,23 @@ class ApiServer:
                 self.kill()
 
 
+def wait_until_serving(url: str, proc: subprocess.Popen, timeout: float = 60.0, log: Path | None = None) -> None:
+    """Wait until `url` answers 200 while `proc` (the process that will serve it) runs."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+            raise RuntimeError(
+                f"{url} did not answer (process {'exited' if proc.poll() is not None else 'running'}){tail}"
+            )
+        time.sleep(0.5)
+
+
 def stop_local_ray(data_dir: Path) -> None:
     """Stop a local Ray instance an API server under `data_dir` started and left behind (after kill -9)."""
     import json

@@ -21,7 +21,8 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import text
 
 from miles_control.api.auth import ReadToken
-from miles_control.api.routes import _documented, router
+from miles_control.api.errors import documented
+from miles_control.api.routes import router
 from miles_control.api.schemas import Health, PresetPublic
 from miles_control.api.settings import ServerSettings
 from miles_control.launch import Launcher
@@ -268,7 +269,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         response_model=list[PresetPublic],
         tags=["jobs"],
         summary="Job specs offered as starting points (the server's presets_dir, *.yaml)",
-        responses=_documented(401),
+        responses=documented(401),
     )
     def list_presets(_: ReadToken) -> list[PresetPublic]:
         folder = settings.presets_dir
@@ -280,7 +281,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         tags=["service"],
         summary="Prometheus metrics",
         response_class=Response,
-        responses=_documented(401) | {200: {"content": {"text/plain": {}}}},
+        responses=documented(401) | {200: {"content": {"text/plain": {}}}},
     )
     def prometheus_metrics(_: ReadToken) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

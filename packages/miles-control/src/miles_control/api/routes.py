@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from pathlib import Path as FilePath
-from typing import Annotated, Any
+from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, HTTPException, Path, Query, Request
@@ -14,11 +14,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from miles_control.api.auth import AdminToken, ReadToken
+from miles_control.api.errors import CHANGE, JOB, documented, unprocessable
 from miles_control.api.policy import check_spec
 from miles_control.api.schemas import (
     AttemptPublic,
     CheckpointPublic,
-    ErrorDetail,
     EventPublic,
     JobCreate,
     JobDetail,
@@ -36,30 +36,7 @@ from miles_control.schedules.control import ScheduleChangeError, queue_schedule_
 from miles_control.store import FINAL, InvalidTransition, Job, JobNotFound, JobStatus, Store
 from miles_control.store.tokens import check_token
 
-
-def _documented(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """The error answers a route can give, for the OpenAPI document (every one has a `detail` string but 422)."""
-    return {code: {"model": ErrorDetail, "description": ERRORS[code]} for code in codes}
-
-
-ERRORS = {
-    400: "The body is not UTF-8 JSON, or nests too deep",
-    401: "No bearer token, or an invalid or revoked one",
-    403: "The token is read-only; this needs an admin token",
-    404: "No such job (or attempt log)",
-    409: "The job is not in a state that allows this",
-    413: "The body is over the server's limit",
-    502: "The Ray cluster did not answer",
-}
-JOB = _documented(401, 404)  # every route under /jobs/{job_id}
-CHANGE = _documented(400, 401, 403, 404, 409, 413)  # routes that change a job
-
-router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"], responses=_documented(401))
-
-
-def unprocessable(loc: list[str], msg: str) -> HTTPException:
-    """A 422 in the shape of every other 422 (FastAPI's validation errors): a list of {loc, msg, type}."""
-    return HTTPException(422, [{"loc": loc, "msg": msg, "type": "value_error"}])
+router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"], responses=documented(401))
 
 
 JobId = Annotated[int, Path(ge=1, le=2**31 - 1, description="The job's id.")]
@@ -119,7 +96,7 @@ def _detail(store: Store, job: Job) -> JobDetail:
     status_code=201,
     response_model=JobDetail,
     summary="Create a job (queued; launched when CPUs free)",
-    responses=_documented(400, 403, 413),
+    responses=documented(400, 403, 413),
 )
 def create_job(body: JobCreate, request: Request, _: AdminToken) -> JobDetail:
     spec, problems = check_spec(body.spec, request.app.state.settings)
@@ -369,7 +346,7 @@ def list_checkpoints(job_id: JobId, request: Request, _: ReadToken) -> list[Chec
 
 @router.get(
     "/{job_id}/logs",
-    responses=JOB | _documented(502) | {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    responses=JOB | documented(502) | {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     summary="The tail of an attempt's driver log",
 )
 def get_logs(
