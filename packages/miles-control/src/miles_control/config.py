@@ -38,7 +38,7 @@ class BuiltinModelConfig(_Strict):
         800, ge=0, description="The most supervised steps before RL (0 = random init, no warm start)."
     )
     warm_start_target: float | None = Field(
-        0.3,
+        0.35,
         gt=0,
         le=1,
         description="Stop the warm start once greedy accuracy on 200 held-out prompts reaches this (checked every "
