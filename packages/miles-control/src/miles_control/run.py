@@ -144,7 +144,8 @@ def run_job(
                     raise
                 restarts += 1
                 on_phase(f"restarting ({restarts}/{spec.schedule.max_restarts}): a worker died")
-                runtime, first_step = _restart(spec, store, recorder, runtime, exc, restarts, job_id,
+                failed, runtime = runtime, None  # shut down by _restart; never twice if the new one fails
+                runtime, first_step = _restart(spec, store, recorder, failed, exc, restarts, job_id,
                                                (model_path, train_prompts, eval_prompts, run_dir))  # fmt: skip
                 on_phase("running")
         if spec.schedule.save_final:

@@ -137,7 +137,7 @@ def _repair_versions(engine: Engine) -> None:
 
 
 def ensure_schema(engine: Engine) -> None:
-    """Bring the database to the head revision (a no-op, one query, when it is there already). Migrations of
+    """Bring the database to the head revision (a no-op, two queries, when it is there already). Migrations of
     one store are serialised across processes (`migration_lock`): two `miles serve` started together on a new
     store migrate it once."""
     head = head_revision()
