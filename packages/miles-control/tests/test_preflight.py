@@ -58,6 +58,38 @@ def test_sglang_weight_check_knows_its_families(llama32_bf16, tmp_path):
     check_job(spec(rollout={"engine": {"type": "sglang", "verify_weights": False}}), tmp_path)
 
 
+def test_a_format_whose_blocks_do_not_fit_the_model_is_refused(llama32_bf16):
+    """hidden 16, intermediate 32: int4 groups of 128 and MXFP8's 32-element blocks do not fit; NVFP4's 16 do."""
+    with pytest.raises(JobCheckError, match=r"sync.quantization: int4 .* sync.quant_group_size 128 do not divide the "
+                       r"model's hidden_size \(16\)"):  # fmt: skip
+        check_job(spec(sync={"quantization": "int4"}), llama32_bf16)
+    with pytest.raises(JobCheckError, match=r"train.quantization: mxfp8 .* 32-element blocks do not divide"):
+        check_job(spec(train={"quantization": "mxfp8"}), llama32_bf16)
+    check_job(
+        spec(sync={"quantization": "int4", "quant_group_size": 16}, train={"quantization": "nvfp4"}), llama32_bf16
+    )
+    check_job(spec(sync={"quantization": "fp8"}), llama32_bf16)  # one scale per tensor: any shape
+
+
+def test_precision_and_quantization_a_backend_cannot_run_are_refused_at_validation():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="train.precision: fp16 is not offered by torchtitan"):
+        spec(train={"backend": "torchtitan", "precision": "fp16"})
+    with pytest.raises(ValidationError, match="train.quantization: nvfp4 scales a whole HF tensor"):
+        spec(train={"backend": "megatron", "quantization": "nvfp4"})
+    with pytest.raises(ValidationError, match=r"mis_band: \[1.5, 2.0\] must hold 1"):
+        spec(train={"grpo": {"mis_band": [1.5, 2.0]}})
+    with pytest.raises(ValidationError, match="mis_band needs the trainer's old-policy logprobs"):
+        spec(train={"grpo": {"mis_band": [0.5, 2.0], "old_logprobs": "rollout"}})
+    with pytest.raises(ValidationError, match="sync.quantization|Input should be 'none'"):
+        spec(sync={"quantization": "fp6"})
+    # a spec stored before train.precision keeps its meaning
+    stored = spec(train={"backend": {"type": "fsdp2", "mixed_precision": "bf16"}})
+    assert stored.train.precision == "bf16" and "mixed_precision" not in stored.train.backend.model_dump()
+    assert spec(train={"backend": "megatron", "precision": "fp16", "quantization": "int4"}).train.precision == "fp16"
+
+
 def test_an_unresolvable_reward_is_named(llama32_bf16):
     with pytest.raises(JobCheckError, match="rollout.reward: cannot import module 'nowhere_xyz'"):
         check_job(spec(rollout={"engine": {"type": "hf"}, "reward": "nowhere_xyz:f"}), llama32_bf16)

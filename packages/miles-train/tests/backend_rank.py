@@ -2,12 +2,15 @@
 
 usage: python backend_rank.py MODEL_DIR RANK WORLD_SIZE PORT OUT_FILE CKPT_DIR [VARIANT] [offpolicy]
 
-VARIANT names the backend and its layout: `fsdp2`, `fsdp2-bf16`, `megatron`, `megatron-tp2`,
-`torchtitan`, `torchtitan-tp2` (without `-tp2` every rank is data parallel).
+VARIANT names the backend, its layout and its precision: `fsdp2`, `megatron`, `megatron-tp2`, `torchtitan`,
+`torchtitan-tp2` (without `-tp2` every rank is data parallel), each optionally ending in `-bf16` or `-fp16`
+(train.precision).
 
 `offpolicy` turns on truncated importance sampling (cap 1.5) and staleness decay (0.5 per version),
 with staleness 0, 1, 2 within each group. `pushed` tells the backend that the engines hold bf16 weights
 (`set_push_dtype`): it forwards with the weights as pushed and recomputes old logprobs under them.
+`qat-FORMAT` sets train.quantization (int4 groups of 32); `mis` masks tokens whose ratio leaves [0.4, 3] on the
+off-policy batch.
 """
 
 import sys
@@ -50,11 +53,16 @@ def snapshot(backend) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in backend.export_weights()}
 
 
-def backend_config(variant: str, world_size: int) -> dict:
-    kind, _, option = variant.partition("-")
+PRECISIONS = ("bf16", "fp16")
+
+
+def backend_config(variant: str, world_size: int) -> tuple[dict, str]:
+    """The backend mapping and train.precision of a variant: `kind[-tp2][-bf16|-fp16]`."""
+    kind, *options = variant.split("-")
+    precision = next((o for o in options if o in PRECISIONS), "fp32")
     if kind == "fsdp2":
-        return {"type": "fsdp2", "world_size": world_size, "mixed_precision": option or "none"}
-    return {"type": kind, "world_size": world_size, "tensor_parallel_size": 2 if option == "tp2" else 1}
+        return {"type": "fsdp2", "world_size": world_size}, precision
+    return {"type": kind, "world_size": world_size, "tensor_parallel_size": 2 if "tp2" in options else 1}, precision
 
 
 def main() -> None:
@@ -67,9 +75,16 @@ def main() -> None:
     grpo = {"old_logprobs": "recompute", "kl_coef": 0.1}
     if offpolicy:
         grpo |= {"tis_cap": 1.5, "staleness": "decay", "staleness_decay": 0.5}
+    if mode == "mis":
+        grpo |= {"mis_band": (0.4, 3.0)}
+    backend_cfg, precision = backend_config(variant, world_size)
+    quantization = mode.removeprefix("qat-") if mode.startswith("qat-") else "none"
     config = TrainConfig.model_validate(
         {
-            "backend": backend_config(variant, world_size),
+            "backend": backend_cfg,
+            "precision": precision,
+            "quantization": quantization,
+            "quant_group_size": 32,
             "optimizer": {"lr": 1e-3, "max_grad_norm": 1.0},
             "grpo": grpo,
         }
@@ -77,7 +92,7 @@ def main() -> None:
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")
     if mode == "pushed":
         backend.set_push_dtype("bfloat16")
-    batch = offpolicy_batch() if offpolicy else contract_batch()
+    batch = offpolicy_batch() if offpolicy or mode == "mis" else contract_batch()
     result = {"initial": snapshot(backend)}
     result["logprobs"] = backend.compute_logprobs(batch)
     result["metrics"] = backend.train_step(batch)

@@ -208,11 +208,92 @@ def test_save_load_round_trip(layout):
     assert result["metrics_after_reload"]["train/kl"] == result["metrics2"]["train/kl"]
 
 
-def test_bf16_mixed_precision_runs(tiny_model_dir, tmp_path, runs):
-    result = run_ranks(tiny_model_dir, 1, tmp_path, variant="fsdp2-bf16")
-    assert result["after"]["lm_head.weight"].dtype == torch.float32  # fp32 master weights
-    assert result["metrics"]["train/loss"] == pytest.approx(runs("fsdp2", 1)["metrics"]["train/loss"], abs=5e-2)
-    assert any(not torch.equal(result["after"][n], t) for n, t in result["initial"].items())
+# Reduced precision (train.precision) on every backend, against fp32 fsdp2 on one rank: logprobs and the gradient
+# norm move by what bf16's 8 and fp16's 11 significant bits allow (PRECISION_TOL, with the measured values), and a
+# step still moves the weights.
+PRECISION_LAYOUTS = [
+    ("fsdp2-bf16", 1),
+    ("fsdp2-bf16", 2),
+    ("fsdp2-fp16", 1),
+    ("megatron-bf16", 1),
+    ("megatron-tp2-bf16", 2),
+    ("megatron-fp16", 1),
+    ("torchtitan-bf16", 1),
+    ("torchtitan-tp2-bf16", 2),
+]
+PRECISION_TOL = {  # measured: bf16 |Δ logprob| ≤ 1.3e-3, grad norm ≤ 9e-4 relative; fp16 ≤ 1.7e-4 and ≤ 5e-5
+    "bf16": {"loss": 1e-4, "logprobs": 5e-3, "grad": 3e-3},
+    "fp16": {"loss": 1e-4, "logprobs": 1e-3, "grad": 5e-4},
+}
+
+
+@pytest.mark.parametrize(("variant", "world_size"), PRECISION_LAYOUTS, ids=[f"{v}-ws{n}" for v, n in PRECISION_LAYOUTS])
+def test_reduced_precision(variant, world_size, runs):
+    result, fp32 = runs(variant, world_size), runs("fsdp2", 1)
+    tol = PRECISION_TOL[variant.rsplit("-", 1)[1]]
+    assert abs(result["metrics"]["train/loss"] - fp32["metrics"]["train/loss"]) < tol["loss"], variant
+    # the loss of a first step (ratio 1, KL 0) does not depend on the precision; its gradient does
+    grad, grad32 = result["metrics"]["train/grad_norm"], fp32["metrics"]["train/grad_norm"]
+    assert grad != grad32 and grad == pytest.approx(grad32, rel=tol["grad"]), (variant, grad, grad32)
+    diff = max(
+        abs(a - b)
+        for ra, rb in zip(result["logprobs"], fp32["logprobs"], strict=True)
+        for a, b in zip(ra, rb, strict=True)
+    )
+    assert 0 < diff < tol["logprobs"], (variant, diff)
+    moved = [n for n, t in result["initial"].items() if not torch.equal(result["after"][n], t)]
+    assert moved, f"{variant}: a step changed no weight"
+    if variant.endswith("fp16"):
+        assert result["metrics"]["train/overflow_skipped"] in (0.0, 1.0)  # counted, whether or not it happened
+    print(f"{variant} ws{world_size}: |Δ logprob| max {diff:.2e}, grad norm {grad:.5f} vs fp32 {grad32:.5f}")
+
+
+@pytest.mark.parametrize(
+    ("variant", "world_size"), [("fsdp2", 1), ("fsdp2", 2), ("torchtitan-tp2", 2), ("megatron", 1)]
+)
+def test_qat_int4_forward_uses_the_quantized_weights(variant, world_size, models, runs, tmp_path):
+    """train.quantization: int4: the trainer's logprobs are those of the model whose linear weights are rounded to
+    INT4 (groups of 32), computed plainly; the gradient passes straight through, so a step changes the fp32 master
+    weights, including those too small to move a quantized value."""
+    from miles_sync import formats
+
+    result = run_ranks(models["qwen2"], world_size, tmp_path, variant=variant, mode="qat-int4")
+    model = AutoModelForCausalLM.from_pretrained(models["qwen2"], dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if formats.quantizable(name, param.shape):
+                param.copy_(formats.fake_quantize(param, "int4", 32, name))
+        expected, _ = token_logprobs(model, collate(contract_batch()))
+    plain = runs("fsdp2", 1)
+    for i, row in enumerate(result["logprobs"]):
+        start = contract_batch().response_start[i] - 1
+        assert torch.allclose(torch.tensor(row), expected[i, start : start + len(row)], atol=TOL), (variant, i)
+        assert not torch.allclose(torch.tensor(row), torch.tensor(plain["logprobs"][i]), atol=1e-3)  # it is not fp32
+    moved = [n for n, t in result["initial"].items() if not torch.equal(result["after"][n], t)]
+    assert "model.layers.0.self_attn.q_proj.weight" in moved
+    assert result["after"]["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
+
+
+def test_masked_importance_sampling_matches_plain_pytorch(tiny_model_dir, tmp_path):
+    """grpo.mis_band: tokens whose ratio π_old/π_rollout leaves [0.4, 3] carry no loss, as written plainly."""
+    from miles_train.grpo import masked_is_weights
+
+    result = run_ranks(tiny_model_dir, 2, tmp_path, mode="mis")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    batch = offpolicy_batch()
+    c = collate(batch)
+    with torch.no_grad():
+        old, _ = token_logprobs(model, c)
+        ref_lp, _ = token_logprobs(ref, c)
+    adv = group_advantages(batch.rewards, batch.group_index)[:, None].expand_as(old)
+    pg, _, _ = clipped_policy_loss(old, old, adv, 0.2)
+    keep, dropped = masked_is_weights(old, c.rollout_logprobs, 0.4, 3.0)
+    loss = token_mean(pg * keep + 0.1 * kl_k3(old, ref_lp), c.loss_mask)
+    frac = float(token_mean(dropped.float(), c.loss_mask))
+    assert 0 < frac < 1  # the band drops some tokens, not all: the test has teeth
+    assert result["metrics"]["train/mis_dropfrac"] == pytest.approx(frac, abs=1e-6)
+    assert result["metrics"]["train/loss"] == pytest.approx(float(loss), abs=1e-5)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

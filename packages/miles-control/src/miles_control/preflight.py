@@ -3,6 +3,7 @@ field to change rather than minutes later inside a Ray actor:
 
 - the model is one the chosen trainer backend and rollout engine run (a refused config.json field is named);
 - pushes can reach the engines exactly (`sync.dtype` against the dtype the engines hold);
+- the low-precision formats (`sync.quantization`, `train.quantization`) fit the model's linear layers;
 - the reward resolves to a function, and the chat template renders every prompt.
 
 Plug-in modules (rewards named by dotted path) are found on the module search path, extended by
@@ -57,6 +58,7 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
         spec.sync.for_engines(engine_dtype(spec.rollout.engine.dtype, model_path))
     except ValueError as exc:
         raise JobCheckError(str(exc)) from None
+    check_quantization(spec, hf_config)
     try:
         resolve_reward(spec.rollout.reward)
     except ValueError as exc:
@@ -70,6 +72,40 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
         encoder = PromptEncoder(tokenizer, spec.data.chat_template, spec.data.system_prompt)
         for record in prompts:  # every prompt renders (a template may refuse some conversations): ~0.1 ms each
             encoder.text(record)
+
+
+# A format's block along the input dimension (and, for fp8_block, along the output dimension too).
+_BLOCKS = {"mxfp8": 32, "nvfp4": 16, "fp8_block": 128}
+
+
+def check_quantization(spec: JobSpec, hf_config) -> None:
+    """Every linear layer of the model is a whole number of the format's blocks (INT4: of its groups)."""
+    if spec.sync.quantization == "none" and spec.train.quantization == "none":
+        return
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    inputs = {
+        "hidden_size": hf_config.hidden_size,
+        "intermediate_size": hf_config.intermediate_size,
+        "num_attention_heads × head_dim": hf_config.num_attention_heads * head_dim,
+    }
+    outputs = inputs | {"num_key_value_heads × head_dim": kv_heads * head_dim}
+    for section in ("sync", "train"):
+        part = getattr(spec, section)
+        fmt = part.quantization
+        if fmt == "none":
+            continue
+        block = part.quant_group_size if fmt == "int4" else _BLOCKS.get(fmt)
+        if block is None:
+            continue  # fp8: one scale per tensor, any shape
+        what = f"{section}.quant_group_size {block}" if fmt == "int4" else f"its {block}-element blocks"
+        dims = outputs if fmt == "fp8_block" else inputs
+        for field, size in dims.items():
+            if size % block:
+                raise JobCheckError(
+                    f"{section}.quantization: {fmt} needs every linear layer to be a whole number of blocks, but "
+                    f"{what} do not divide the model's {field} ({size})"
+                )
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -8,6 +8,13 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 TransportName = Literal["inproc", "disk", "tensor", "broadcast"]
 WireDtype = Literal["float32", "bfloat16", "float16"]
+# Low-precision formats of `miles_sync.formats` (kept here as names so a spec validates without torch).
+QuantFormat = Literal["none", "fp8", "fp8_block", "mxfp8", "nvfp4", "int4"]
+QUANT_DESCRIPTION = (
+    "none | fp8 (E4M3, per-tensor scale) | fp8_block (E4M3, 128×128 block scales) | mxfp8 (OCP MX: 32-element "
+    "blocks, E8M0 scale) | nvfp4 (E2M1, 16-element blocks, E4M3 block scale + fp32 tensor scale) | int4 "
+    "(symmetric, quant_group_size groups). Applies to the 2-D weights of linear layers only."
+)
 AUTO: Literal["auto"] = "auto"
 
 
@@ -35,6 +42,13 @@ class SyncBase(BaseModel):
     check_weights: bool = Field(
         True, description="After every push, compare the engine's weight fingerprint with the trainer's."
     )
+    quantization: QuantFormat = Field(
+        "none",
+        description="Quantize the linear layers' weights before each push, so the engines generate with them: "
+        + QUANT_DESCRIPTION
+        + " On CPU the engines receive the dequantized values of the format's grid (weight-only emulation).",
+    )
+    quant_group_size: int = Field(128, gt=0, description="quantization: int4's group along the input dimension.")
 
     def placed(self, run_dir: str) -> Self:
         """This config with what it leaves to the run (a folder) filled in under `run_dir`."""

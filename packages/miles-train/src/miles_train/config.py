@@ -6,6 +6,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from miles_sync.config import QUANT_DESCRIPTION, QuantFormat
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
@@ -16,7 +20,6 @@ class FSDP2Config(_Strict):
 
     type: Literal["fsdp2"] = "fsdp2"
     world_size: int = Field(1, ge=1, description="Data-parallel trainer ranks.")
-    mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16 compute, fp32 master weights.")
     num_threads: int | None = Field(None, gt=0, description="torch threads per rank; None keeps torch's.")
 
 
@@ -42,14 +45,14 @@ class _ModelParallel(_Strict):
 class MegatronConfig(_ModelParallel):
     """megatron-core GPTModel (local layer spec) built from the HF config; Megatron DDP and optimizer.
 
-    HF weights are converted on load and converted back by `export_weights`. fp32 only."""
+    HF weights are converted on load and converted back by `export_weights`."""
 
     type: Literal["megatron"] = "megatron"
 
 
 class TorchtitanConfig(_ModelParallel):
     """torchtitan's Qwen/Llama-family model with its own parallelisation (FSDP2 over the
-    data-parallel ranks, TP over `tensor_parallel_size`) and an HF state-dict adapter. fp32 only."""
+    data-parallel ranks, TP over `tensor_parallel_size`) and an HF state-dict adapter."""
 
     type: Literal["torchtitan"] = "torchtitan"
 
@@ -82,6 +85,11 @@ class GRPOConfig(_Strict):
     )
     num_minibatches: int = Field(1, ge=1, description="Optimizer steps per batch.")
     loss_aggregation: Literal["token_mean"] = "token_mean"
+    mis_band: tuple[float, float] | None = Field(
+        None,
+        description="Masked importance sampling: tokens whose ratio π_old/π_rollout falls outside [low, high] get "
+        "no loss (π_old recomputed by the trainer; needs old_logprobs: recompute or auto). None: off.",
+    )
     tis_cap: float | None = Field(
         None,
         gt=0,
@@ -111,7 +119,18 @@ class GRPOConfig(_Strict):
     def _tis_needs_recompute(self) -> GRPOConfig:
         if self.tis_cap is not None and self.old_logprobs == "rollout":
             raise ValueError("tis_cap needs the trainer's old-policy logprobs: old_logprobs recompute (or auto)")
+        if self.mis_band is not None:
+            low, high = self.mis_band
+            if not 0 <= low < 1 < high:
+                raise ValueError(f"mis_band: [{low}, {high}] must hold 1 with 0 ≤ low < 1 < high")
+            if self.old_logprobs == "rollout":
+                raise ValueError("mis_band needs the trainer's old-policy logprobs: old_logprobs recompute (or auto)")
         return self
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """True when a correction of the rollout's numerics (TIS or MIS) needs the trainer's old logprobs."""
+        return self.tis_cap is not None or self.mis_band is not None
 
 
 class TrainConfig(_Strict):
@@ -120,6 +139,22 @@ class TrainConfig(_Strict):
         description="The trainer backend: a mapping with `type` (fsdp2 | megatron | torchtitan) and its "
         "fields, or just the type's name for its defaults (`backend: megatron`).",
     )
+    precision: Precision = Field(
+        "fp32",
+        description="Compute precision of the trainer's forward and backward, with fp32 master weights and optimizer "
+        "state in every case; fp16 adds dynamic loss scaling (overflowing steps are skipped and counted). Each backend "
+        "uses its framework's mechanism: FSDP2's MixedPrecisionPolicy (+ torch's ShardedGradScaler for fp16), "
+        "Megatron's bf16/fp16 model config and mixed-precision optimizer, torchtitan's mixed_precision_param "
+        "(bf16 only: torchtitan offers no fp16).",
+    )
+    quantization: QuantFormat = Field(
+        "none",
+        description="Fake-quantize the linear layers' weights in the trainer's forward passes (straight-through "
+        "gradients to the fp32 master weights: QAT for int4, emulated low-precision training for the others), so the "
+        "logprobs are computed under the numerics the engines use with the same sync.quantization. "
+        + QUANT_DESCRIPTION,
+    )
+    quant_group_size: int = Field(128, gt=0, description="quantization: int4's group along the input dimension.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     policy_weights: Literal["auto", "master", "pushed"] = Field(
@@ -129,6 +164,34 @@ class TrainConfig(_Strict):
         "the policy that generated; master: the fp32 master weights as they are. auto: pushed when the engines "
         "hold a narrower dtype than the master weights (a bf16 checkpoint), master otherwise (then both are equal).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_mixed_precision(cls, data: Any) -> Any:
+        """Specs stored before `train.precision` hold fsdp2's `backend.mixed_precision`: read it as the precision."""
+        if isinstance(data, dict) and isinstance(data.get("backend"), dict) and "mixed_precision" in data["backend"]:
+            backend = dict(data["backend"])
+            old = backend.pop("mixed_precision")
+            data = dict(data) | {"backend": backend}
+            if old == "bf16":
+                data.setdefault("precision", "bf16")
+        return data
+
+    @model_validator(mode="after")
+    def _backend_can(self) -> TrainConfig:
+        kind = self.backend.type
+        if kind == "torchtitan" and self.precision == "fp16":
+            raise ValueError(
+                "train.precision: fp16 is not offered by torchtitan's mixed-precision settings (bfloat16 | float32); "
+                "use precision bf16, or backend fsdp2 or megatron for fp16"
+            )
+        if kind == "megatron" and self.quantization in ("fp8", "fp8_block", "nvfp4"):
+            raise ValueError(
+                f"train.quantization: {self.quantization} scales a whole HF tensor (per tensor or per 128×128 block), "
+                "which megatron's fused and tensor-parallel weights (linear_qkv, linear_fc1) cannot reproduce; use "
+                "int4 or mxfp8 (row-local scales) with backend megatron, or backend fsdp2 / torchtitan"
+            )
+        return self
 
     @field_validator("backend", mode="before")
     @classmethod

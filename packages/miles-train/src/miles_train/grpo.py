@@ -72,6 +72,17 @@ def truncated_is_weights(
     return ratio.clamp(max=cap), ratio > cap
 
 
+def masked_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked importance sampling: weight 1 where π_old / π_rollout lies in [low, high], 0 outside (no gradient),
+    and where tokens were dropped. Unlike TIS, a token whose ratio is far off does not train at all: its sample
+    came from numerics (or weights) too different from the trainer's to be corrected by a bounded weight."""
+    ratio = torch.exp(old_logprobs.detach() - rollout_logprobs.detach())
+    dropped = (ratio < low) | (ratio > high)
+    return (~dropped).to(ratio.dtype), dropped
+
+
 def staleness_weights(staleness: list[int], mode: str, decay: float, max_staleness: int) -> torch.Tensor:
     """One weight per sample from its age in weight versions: `none` 1, `decay` decay**age, `drop` 0 past max."""
     age = torch.tensor(staleness, dtype=torch.float32)

@@ -111,7 +111,8 @@ class TrainerWorker:
         pin_to(cpus)
         self.rank = rank
         self.backend = build_backend(job.train, model_path, rank, world_size, init_method)
-        self.backend.set_push_dtype(pushed_precision)  # the policy the engines run: what the trainer forwards with
+        # the policy the engines run: what the trainer forwards with, and recomputes the ratio's denominator under
+        self.backend.set_push_dtype(pushed_precision, job.sync.quantization, job.sync.quant_group_size)
         self.sender = None
         if rank == 0:
             self.sender = build_sender(job.sync.placed(weights_dir), num_receivers=num_receivers)

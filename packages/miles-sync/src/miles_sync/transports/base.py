@@ -1,4 +1,4 @@
-"""Shared shape of every sender: cast → bucket → fingerprint → hand each bucket to the transport."""
+"""Shared shape of every sender: quantize → cast → bucket → fingerprint → hand each bucket to the transport."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ class BucketedSender:
         fp = Fingerprinter()
         num_tensors = num_bytes = num_buckets = 0
         self._begin(weight_version)
+        if self.config.quantization != "none":  # torchao loads only when a format is used
+            from miles_sync.formats import quantized_for_push
+
+            named_tensors = quantized_for_push(named_tensors, self.config.quantization, self.config.quant_group_size)
         stream = cast_for_wire(named_tensors, self._dtype)
         for index, bucket in enumerate(iter_buckets(stream, self.config.bucket_bytes)):
             for name, tensor in bucket:

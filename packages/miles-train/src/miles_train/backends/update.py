@@ -24,6 +24,7 @@ from miles_train.grpo import (
     clipped_policy_loss,
     group_advantages,
     kl_k3,
+    masked_is_weights,
     staleness_weights,
     token_mean,
     truncated_is_weights,
@@ -32,7 +33,18 @@ from miles_train.types import TrainBatch
 
 log = logging.getLogger(__name__)
 
-METRIC_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio", "logprob_diff", "tis", "tis_clipfrac")
+METRIC_SUMS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "clipfrac",
+    "ratio",
+    "logprob_diff",
+    "tis",
+    "tis_clipfrac",
+    "mis_dropfrac",
+)
 
 
 class GRPOBackend:
@@ -70,20 +82,26 @@ class GRPOBackend:
         self.set_push_dtype(None)
 
     push_dtype: torch.dtype | None = None  # what the engines hold, when a push rounds the master weights
+    push_quant: tuple[str, int] | None = None  # (format, int4 group) the push quantizes linear weights to
+    train_quant: tuple[str, int] | None = None  # (format, int4 group) the forward fake-quantizes linear weights to
 
-    def set_push_dtype(self, dtype: str | None) -> None:
-        """The dtype the engines hold the weights in (`float32`, `bfloat16`, `float16`; None: as the trainer).
+    def set_push_dtype(self, dtype: str | None, quantization: str = "none", group_size: int = 128) -> None:
+        """The dtype the engines hold the weights in (`float32`, `bfloat16`, `float16`; None: as the trainer) and
+        the format the push quantizes the linear weights to (`sync.quantization`).
 
         When it is narrower than the fp32 master weights, a push rounds them: the trainer then forwards with the
         weights as pushed (`train.policy_weights`), recomputes the ratio's denominator under them
-        (`grpo.old_logprobs`), and reports how much of each update the rounding lets through."""
+        (`grpo.old_logprobs`), and reports how much of each update the rounding lets through. A quantized push
+        makes the recomputed denominator the logprobs under the quantized weights, what the engines sampled from."""
         held = None if dtype is None else getattr(torch, dtype)
         self.push_dtype = held if held is not None and held.itemsize < 4 else None
+        self.push_quant = None if quantization == "none" else (quantization, group_size)
+        trained = self.config.quantization
+        self.train_quant = None if trained == "none" else (trained, self.config.quant_group_size)
         policy, old = self.config.policy_weights, self.config.grpo.old_logprobs
         self._pushed_forward = policy == "pushed" or (policy == "auto" and self.push_dtype is not None)
-        self._recompute_old = old == "recompute" or (
-            old == "auto" and (self.push_dtype is not None or self.config.grpo.tis_cap is not None)
-        )
+        rounds = self.push_dtype is not None or self.push_quant is not None
+        self._recompute_old = old == "recompute" or (old == "auto" and (rounds or self.config.grpo.corrects_rollout))
 
     # ---- what a backend provides -------------------------------------------------------------
     def _logits(self, model: Any, c: Collated) -> torch.Tensor:
@@ -92,6 +110,12 @@ class GRPOBackend:
 
     def _zero_grad(self) -> None:
         raise NotImplementedError
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward of the (local) loss; a backend with fp16 loss scaling scales it first."""
+        loss.backward()
+
+    overflow_skips = 0  # optimizer steps skipped for an fp16 overflow (dynamic loss scaling), since the start
 
     def _step_optimizer(self) -> float | None:
         """Reduce gradients, clip to `optimizer.max_grad_norm`, step; the global norm (None unclipped)."""
@@ -115,25 +139,59 @@ class GRPOBackend:
         return [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
 
     @contextlib.contextmanager
-    def _weights_as_pushed(self, active: bool = True) -> Iterator[None]:
-        """For the duration, the parameters hold the master weights rounded to the push dtype (what the engines
-        run); afterwards the master weights are back, bit for bit. A backward inside gives the gradient at the
-        rounded weights, which the optimizer applies to the master weights (a straight-through estimator, as
-        mixed-precision training does). A no-op unless `active` and the push rounds."""
-        if not active or self.push_dtype is None:
+    def _weights_as(self, quant: tuple[str, int] | None, dtype: torch.dtype | None) -> Iterator[None]:
+        """For the duration, the parameters hold the master weights with the linear weights rounded to the grid of
+        `quant` (format, int4 group) and everything rounded to `dtype`; afterwards the master weights are back,
+        bit for bit. A backward inside gives the gradient at the rounded weights, which the optimizer applies to the
+        master weights (a straight-through estimator, as mixed-precision training and QAT do). A no-op when both
+        are None."""
+        if quant is None and dtype is None:
             yield
             return
         shards = self._param_shards()
         with torch.no_grad():
             master = [p.detach().clone() for p in shards]
-            for p in shards:
-                p.copy_(p.to(self.push_dtype))
+            if quant is not None:
+                self._fake_quantize(shards, *quant)
+            if dtype is not None:
+                for p in shards:
+                    p.copy_(p.to(dtype))
         try:
             yield
         finally:
             with torch.no_grad():
                 for p, m in zip(shards, master, strict=True):
                     p.copy_(m)
+
+    def _fake_quantize(self, shards: list[torch.Tensor], fmt: str, group_size: int) -> None:
+        """Round this rank's part of every linear weight to `fmt`'s grid, as the whole (HF-layout) tensor rounds.
+
+        A sharded DTensor is gathered whole first (the scales of a tensor or of a block span ranks) and this rank
+        keeps its slice: a collective that every rank runs in the same order. Plain tensors (megatron) round as they
+        are; its config admits only the formats whose scales are local to a row's block (int4, mxfp8)."""
+        from miles_sync import formats
+
+        for (name, param), shard in zip(self.model.named_parameters(), shards, strict=True):
+            if not formats.quantizable(name, param.shape):
+                continue
+            if hasattr(param, "full_tensor"):
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                full = formats.fake_quantize(param.full_tensor(), fmt, group_size, name)
+                shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+                part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+                shard.copy_(part)
+            else:
+                shard.copy_(formats.fake_quantize(shard, fmt, group_size, name))
+
+    def _weights_as_pushed(self, active: bool = True) -> contextlib.AbstractContextManager[None]:
+        """The weights the engines run: the push's quantization and dtype (a no-op unless `active`)."""
+        return self._weights_as(self.push_quant, self.push_dtype) if active else contextlib.nullcontext()
+
+    def _weights_for_forward(self) -> contextlib.AbstractContextManager[None]:
+        """The weights the trainer's forward uses: `train.quantization`'s grid, then the push dtype when the policy
+        trained is the policy pushed (`train.policy_weights`)."""
+        return self._weights_as(self.train_quant, self.push_dtype if self._pushed_forward else None)
 
     def _replicas(self, param: torch.Tensor) -> int:
         """How many ranks hold the local data of `param` (so that global counts take each element once): for a
@@ -192,12 +250,13 @@ class GRPOBackend:
         # The ratio's denominator is the policy the engines ran: the weights as pushed, whatever the forward uses.
         old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
         before = [p.detach().clone() for p in self._param_shards()] if self.push_dtype is not None else None
+        skips = self.overflow_skips
         for rows in minibatches:
             # Token count of this minibatch over all ranks: the denominator of the token mean.
             num_tokens = float(sum(sum(batch.loss_mask[i]) for i in rows))
             local = [rows[i] for i in self._my_rows(len(rows))]
             c = self._collate(batch.select(local))
-            with self._weights_as_pushed(self._pushed_forward):
+            with self._weights_for_forward():
                 part = self._minibatch_loss(batch, c, local, num_tokens, advantages, sample_weights, old_logprobs)
             norm = self._step_optimizer()
             self._zero_grad()
@@ -215,6 +274,8 @@ class GRPOBackend:
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
         metrics["train/tis_max"] = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]
         metrics["train/sample_weight_mean"] = float(sample_weights.mean())
+        if self.config.precision == "fp16":
+            metrics["train/overflow_skipped"] = float(self.overflow_skips - skips)
         if before is not None:
             metrics["train/update_kept_frac"] = self._update_kept(before)
         return metrics
@@ -245,6 +306,10 @@ class GRPOBackend:
             tis, truncated = truncated_is_weights(old, c.rollout_logprobs, grpo.tis_cap)
             pg = pg * tis
             tis_max = max(tis_max, float((tis * c.loss_mask).max()))
+        mis_dropped = torch.zeros_like(pg, dtype=torch.bool)
+        if grpo.mis_band is not None:  # old = the trainer's recomputed old-policy logprobs
+            keep, mis_dropped = masked_is_weights(old, c.rollout_logprobs, *grpo.mis_band)
+            pg = pg * keep
         pg = pg * sample_weights[local].to(self.device)[:, None]
         per_token = pg
         kl = torch.zeros_like(pg)
@@ -254,7 +319,7 @@ class GRPOBackend:
             kl = kl_k3(logprobs, ref_logprobs)
             per_token = per_token + grpo.kl_coef * kl
         loss = token_mean(per_token, c.loss_mask, num_tokens) * self.loss_scale
-        loss.backward()
+        self._backward(loss)
         m = c.loss_mask
         sums = {"tis_max": tis_max}
         with torch.no_grad():
@@ -268,6 +333,7 @@ class GRPOBackend:
                 ("logprob_diff", (logprobs - c.rollout_logprobs).abs()),
                 ("tis", tis),
                 ("tis_clipfrac", truncated.float()),
+                ("mis_dropfrac", mis_dropped.float()),
             ):
                 sums[key] = float((value * m).sum())
         return sums
@@ -277,7 +343,7 @@ class GRPOBackend:
         """Logprobs of the whole batch, [B, T-1], identical on every rank: under the weights the forward uses,
         or (`as_pushed`) under the weights as pushed."""
         rows = self._my_rows(len(batch))
-        with self._weights_as_pushed(self._pushed_forward if as_pushed is None else as_pushed):
+        with self._weights_as_pushed() if as_pushed else self._weights_for_forward():
             logprobs, _ = self._token_logprobs(self.model, self._collate(batch.select(rows)), batch.temperature)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (rows, logprobs.cpu()))  # tensor-parallel peers send the same rows

@@ -52,10 +52,15 @@ class FSDP2Backend(GRPOBackend):
         )
         if config.grpo.kl_coef > 0:
             self.reference = self._load(model_path).eval().requires_grad_(False)
+        self.scaler = None
+        if config.precision == "fp16":  # dynamic loss scaling; found-inf is agreed on across the ranks
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device=self.device.type)
 
     def _load(self, model_path: str | Path) -> torch.nn.Module:
         model = convert.load_hf_model(model_path, self.device)
-        return apply_fsdp(model, self.config.backend.mixed_precision)
+        return apply_fsdp(model, self.config.precision)
 
     def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
         return model(input_ids=c.input_ids, attention_mask=c.attention_mask).logits
@@ -63,12 +68,24 @@ class FSDP2Backend(GRPOBackend):
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
     def _step_optimizer(self) -> float | None:
         norm = None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients
         if self.config.optimizer.max_grad_norm is not None:
             total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm)
             norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+            return norm
+        scale = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)  # skipped when a gradient overflowed
+        self.scaler.update()
+        if self.scaler.get_scale() < scale:  # the scale backs off exactly when the step was skipped
+            self.overflow_skips += 1
         return norm
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

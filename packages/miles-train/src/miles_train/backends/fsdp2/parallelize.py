@@ -15,11 +15,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def apply_fsdp(model: torch.nn.Module, mixed_precision: str) -> torch.nn.Module:
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def apply_fsdp(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """`precision` (train.precision) is FSDP2's MixedPrecisionPolicy: parameters all-gathered and computed in
+    bf16/fp16, gradients reduced in fp32 into the fp32 sharded master weights; fp32 leaves the policy empty."""
+    compute = COMPUTE_DTYPES.get(precision)
     policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision == "bf16"
-        else MixedPrecisionPolicy()
+        MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
     )
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)

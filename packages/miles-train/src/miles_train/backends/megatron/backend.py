@@ -1,6 +1,7 @@
 """megatron-core trainer backend: GPTModel (local layer spec) from an HF Qwen2/Llama checkpoint,
 tensor parallel × data parallel (`parallelize.py`), Megatron's optimizer, HF weights out (`convert.py`).
-fp32 parameters and gradients.
+`train.precision` bf16/fp16 uses Megatron's mechanism: Float16Module parameters, fp32 gradient buffers and the
+mixed-precision optimizer's fp32 master weights (with its dynamic loss scaler for fp16).
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ class MegatronBackend(GRPOBackend):
         self._init_rng(config)
 
         hf_state = read_hf_state(model_path)
-        self.transformer_config = convert.transformer_config(self.hf_config, self.tp)
-        model = parallelize.build(self.hf_config, hf_state, self.tp, self.tp_rank, self.device)
+        self.transformer_config = convert.transformer_config(self.hf_config, self.tp, config.precision)
+        model = parallelize.build(self.hf_config, hf_state, self.tp, self.tp_rank, self.device, self.transformer_config)
         self.model = parallelize.wrap_ddp(self.transformer_config, model)
         self.model.train()
         self.optimizer = self._build_optimizer()
         if config.grpo.kl_coef > 0:
-            reference = parallelize.build(self.hf_config, hf_state, self.tp, self.tp_rank, self.device)
+            reference = parallelize.build(
+                self.hf_config, hf_state, self.tp, self.tp_rank, self.device, self.transformer_config
+            )
             self.reference = reference.eval().requires_grad_(False)
 
     # ---- construction --------------------------------------------------------------------------
@@ -85,6 +88,10 @@ class MegatronBackend(GRPOBackend):
                     weight_decay=opt.weight_decay,
                     clip_grad=opt.max_grad_norm or 0.0,
                     params_dtype=torch.float32,
+                    bf16=self.config.precision == "bf16",
+                    fp16=self.config.precision == "fp16",
+                    loss_scale=None,  # fp16: Megatron's dynamic loss scaler
+                    initial_loss_scale=2.0**16,
                 ),
                 [self.model],
                 use_gloo_process_groups=False,
@@ -106,6 +113,12 @@ class MegatronBackend(GRPOBackend):
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.config.precision == "fp16":  # the mixed-precision optimizer's loss scale; it unscales in step()
+            with cpu.on_cpu():
+                loss = self.optimizer.scale_loss(loss)
+        loss.backward()
+
     def _step_optimizer(self) -> float | None:
         from megatron.core.distributed import finalize_model_grads
 
@@ -116,7 +129,10 @@ class MegatronBackend(GRPOBackend):
         with cpu.on_cpu():
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            raise RuntimeError("megatron: the optimizer skipped the step (non-finite gradients)")
+            if self.config.precision != "fp16":
+                raise RuntimeError("megatron: the optimizer skipped the step (non-finite gradients)")
+            self.overflow_skips += 1  # the loss scaler backs off; the step is skipped
+            return None
         return float(grad_norm) if self.config.optimizer.max_grad_norm is not None and grad_norm is not None else None
 
     def _dp_group(self):
@@ -128,7 +144,7 @@ class MegatronBackend(GRPOBackend):
 
     # ---- weights, checkpoints -------------------------------------------------------------------
     def _local_params(self) -> dict[str, torch.Tensor]:
-        return {name.removeprefix("module."): p for name, p in self.model.named_parameters()}
+        return {parallelize.local_name(name): p for name, p in self.model.named_parameters()}
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """All-gather each parameter over the tensor-parallel group, convert to HF on global rank 0."""

@@ -36,8 +36,10 @@ def check_supported(hf_config: Any, tp: int) -> None:
     check_divides(hf_config, "megatron", tp, ("num_key_value_heads", "intermediate_size"))
 
 
-def transformer_config(hf_config: Any, tp: int):
-    """The megatron-core TransformerConfig of an HF Qwen2/Qwen3/Llama config (fp32, dropout off)."""
+def transformer_config(hf_config: Any, tp: int, precision: str = "fp32"):
+    """The megatron-core TransformerConfig of an HF Qwen2/Qwen3/Llama config (dropout off). `precision`
+    (train.precision) sets Megatron's own bf16 / fp16 flags; the model is built in fp32 and cast by Megatron's
+    Float16Module (parallelize.py)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -59,6 +61,8 @@ def transformer_config(hf_config: Any, tp: int):
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         params_dtype=torch.float32,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
         # weights come from the HF checkpoint: build on the host, skip random initialisation
         use_cpu_initialization=True,
         perform_initialization=False,

@@ -82,8 +82,14 @@ class _CudaToCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
             kwargs = {**kwargs, "device": "cpu"}
-        if getattr(func, "__name__", "") == "cuda":  # Tensor.cuda()
+        name = getattr(func, "__name__", "")
+        if name == "cuda":  # Tensor.cuda()
             return args[0]
+        if name == "type" and len(args) == 1 and not kwargs:
+            # Megatron's mixed-precision optimizer sorts parameters by their type name and accepts only
+            # "torch.cuda.*Tensor": a host tensor answers as its CUDA twin (the dtype is what it checks).
+            held = func(*args)
+            return held.replace("torch.", "torch.cuda.", 1) if not held.startswith("torch.cuda.") else held
         return func(*args, **kwargs)
 
 

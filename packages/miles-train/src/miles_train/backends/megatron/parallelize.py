@@ -51,16 +51,37 @@ def data_parallel_group() -> Any:
     return parallel_state.get_data_parallel_group()
 
 
-def build(hf_config: Any, hf_state: dict[str, torch.Tensor], tp: int, tp_rank: int, device: torch.device):
-    """The GPTModel of `hf_config` holding this rank's shard of `hf_state`."""
+def build(
+    hf_config: Any,
+    hf_state: dict[str, torch.Tensor],
+    tp: int,
+    tp_rank: int,
+    device: torch.device,
+    transformer_config: Any = None,
+):
+    """The GPTModel of `hf_config` holding this rank's shard of `hf_state`. When `transformer_config` asks for
+    bf16 or fp16, Megatron's Float16Module wraps it: parameters in that dtype, inputs cast in, logits out in fp32
+    (the fp32 master weights live in Megatron's mixed-precision optimizer)."""
     model = convert.build_gpt_model(hf_config, tp)
     assign(model, convert.hf_to_megatron(hf_state, hf_config, tp, tp_rank))
-    return model.to(device)
+    model = model.to(device)
+    if transformer_config is not None and (transformer_config.bf16 or transformer_config.fp16):
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(transformer_config, model)
+    return model
+
+
+def local_name(name: str) -> str:
+    """A parameter's name inside the GPTModel, without the wrappers' `module.` prefixes (DDP, Float16Module)."""
+    while name.startswith("module."):
+        name = name.removeprefix("module.")
+    return name
 
 
 def assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy `tensors` (Megatron names, this rank's shard) into `model`; every name and shape must match."""
-    params = {name.removeprefix("module."): p for name, p in model.named_parameters()}
+    params = {local_name(name): p for name, p in model.named_parameters()}
     missing = sorted(set(params) - set(tensors))
     unexpected = sorted(set(tensors) - set(params))
     if missing or unexpected:

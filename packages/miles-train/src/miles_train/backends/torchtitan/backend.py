@@ -75,7 +75,7 @@ class TorchtitanBackend(GRPOBackend):
             self.reference = self._build(hf_state).eval().requires_grad_(False)
 
     def _build(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        model = parallelize.build(self.model_config, self.layout, self.device)
+        model = parallelize.build(self.model_config, self.layout, self.device, self.config.precision)
         set_model_state_dict(model, self._from_hf(hf_state), options=StateDictOptions(full_state_dict=True))
         return model
 

@@ -51,9 +51,13 @@ def data_parallel_group(layout: Layout, tp: int) -> Any:
     return None if tp == 1 else layout.parallel_dims.get_mesh("fsdp").get_group()
 
 
-def build(model_config: Any, layout: Layout, device: torch.device) -> torch.nn.Module:
+PARAM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # torchtitan's mixed_precision_param offers these two
+
+
+def build(model_config: Any, layout: Layout, device: torch.device, precision: str = "fp32") -> torch.nn.Module:
     """The model of `model_config`, parallelised and materialised on `device` (weights uninitialised but for
-    the RoPE tables: the caller loads the checkpoint)."""
+    the RoPE tables: the caller loads the checkpoint). `precision` (train.precision) is torchtitan's
+    `mixed_precision_param`: FSDP2 gathers and computes in it; gradients reduce in fp32 into fp32 shards."""
     from torchtitan.config.configs import CompileConfig, TrainingConfig
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
@@ -64,7 +68,10 @@ def build(model_config: Any, layout: Layout, device: torch.device) -> torch.nn.M
         parallelize_qwen3(
             model,
             parallel_dims=layout.parallel_dims,
-            training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+            training=TrainingConfig(
+                mixed_precision_param=PARAM_DTYPES[precision],  # type: ignore[arg-type]
+                mixed_precision_reduce="float32",
+            ),
             parallelism=layout.parallelism,
             compile_config=CompileConfig(),
             ac_config=None,
