@@ -219,6 +219,44 @@ def bench_schedules(
     console.print(f"report: {out / 'report.md'}")
 
 
+@bench_app.command("precision")
+def bench_precision(
+    config: Annotated[Path, typer.Argument(help="Job spec (YAML): the workload every recipe runs.")],
+    out: Annotated[Path, typer.Option(help="Folder for report.md, the PNG plots and bench.db.")] = Path(
+        "bench-precision"
+    ),
+    steps: Annotated[int | None, typer.Option(min=1, help="Steps per recipe (default: the spec's).")] = None,
+    recipes: Annotated[
+        str | None, typer.Option(help="Comma-separated recipe names (default: all; see the report for their names).")
+    ] = None,
+    quick: Annotated[bool, typer.Option(help="fp32, bf16, int4 rollout with and without int4 training only.")] = False,
+    set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
+) -> None:
+    """Run the same workload under each precision recipe (fp32, bf16, fp16, each rollout format with and without
+    the matching training quantization); write a report of mismatch, push bytes and time, reward and accuracy."""
+    overrides = list(set_) + ([f"schedule.num_steps={steps}"] if steps else [])
+    spec = load_spec_or_exit(config, overrides)
+    import platform
+
+    from miles_control.bench_precision import QUICK, RECIPES, report, run_recipes
+
+    logging.basicConfig(level=logging.WARNING)
+    names = tuple(n.strip() for n in recipes.split(",")) if recipes else (QUICK if quick else tuple(RECIPES))
+
+    def on_job(name: str, result) -> None:
+        console.print(f"{name}: " + (f"refused ({result.refused})" if result.refused else "done"), highlight=False)
+
+    try:
+        results = run_recipes(spec, out, names, on_job)
+    except Exception as exc:  # noqa: BLE001
+        console.print(f"[bold red]bench failed:[/] {type(exc).__name__}: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores"
+    text = report(results, spec, machine, out)
+    console.print(text, markup=False, highlight=False)
+    console.print(f"report: {out / 'report.md'}")
+
+
 def print_summary(store, job_id: int) -> None:
     from miles_control.summary import summarize
 

@@ -65,6 +65,8 @@ def _restart(spec, store, recorder, runtime, exc, restarts, job_id, parts):
     runtime = JobRuntime(spec, model_path, recorder, train_prompts, eval_prompts, run_dir / f"restart-{restarts}")
     if checkpoint is not None:
         runtime.restore(Path(checkpoint.path), step)
+    else:
+        runtime.start_weights()
     return runtime, step + 1
 
 
@@ -129,6 +131,8 @@ def run_job(
             checkpoint = next(c for c in store.checkpoints(job_id) if c.step == attempt.resume_step)
             runtime.restore(Path(checkpoint.path), checkpoint.step)
             first_step = checkpoint.step + 1
+        else:
+            runtime.start_weights()
         store.set_status(job_id, JobStatus.RUNNING, expect=JobStatus.STARTING)
         store.update_attempt(attempt.id, status="running")
         on_phase("running")

@@ -19,6 +19,8 @@ KEY_METRICS = [
     "train/ratio",
     "train/tis",
     "train/logprob_diff",
+    "train/logprob_diff_p99",
+    "train/mismatch_k3",
 ]
 UNITS = {"_s": "s", "tokens_per_s": "tokens/s", "bytes": "bytes", "accuracy": "fraction", "frac": "fraction"}
 

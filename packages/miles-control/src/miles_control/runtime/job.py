@@ -355,6 +355,13 @@ class JobRuntime:
         self.recorder.checkpoint(step, self.weight_version, directory)
         return directory
 
+    def start_weights(self) -> None:
+        """Before the first step: the engines loaded the checkpoint as it is; a quantized push
+        (`sync.quantization`) replaces it with its quantized weights (version 0), so that step 1 already generates
+        with the numerics every later step uses."""
+        if self.spec.sync.quantization != "none":
+            self.push_weights(0, version=0)
+
     def restore(self, directory: Path, step: int) -> dict[str, float]:
         """Load a checkpoint into the trainer and push its weights to the engines, as version `step`."""
         import ray

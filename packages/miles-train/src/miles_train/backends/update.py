@@ -44,6 +44,7 @@ METRIC_SUMS = (
     "tis",
     "tis_clipfrac",
     "mis_dropfrac",
+    "mismatch_k3",
 )
 
 
@@ -251,6 +252,7 @@ class GRPOBackend:
         old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
         before = [p.detach().clone() for p in self._param_shards()] if self.push_dtype is not None else None
         skips = self.overflow_skips
+        self._diffs: list[torch.Tensor] = []  # |trainer − engine| logprob of every token, for the p99
         for rows in minibatches:
             # Token count of this minibatch over all ranks: the denominator of the token mean.
             num_tokens = float(sum(sum(batch.loss_mask[i]) for i in rows))
@@ -274,6 +276,7 @@ class GRPOBackend:
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
         metrics["train/tis_max"] = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]
         metrics["train/sample_weight_mean"] = float(sample_weights.mean())
+        metrics["train/logprob_diff_p99"] = self._quantile(self._diffs, 0.99)
         if self.config.precision == "fp16":
             metrics["train/overflow_skipped"] = float(self.overflow_skips - skips)
         if before is not None:
@@ -322,6 +325,8 @@ class GRPOBackend:
         self._backward(loss)
         m = c.loss_mask
         sums = {"tis_max": tis_max}
+        diff = (logprobs - c.rollout_logprobs).detach()
+        self._diffs.append(diff.abs()[m.bool()].cpu())
         with torch.no_grad():
             for key, value in (
                 ("loss", per_token),
@@ -334,9 +339,18 @@ class GRPOBackend:
                 ("tis", tis),
                 ("tis_clipfrac", truncated.float()),
                 ("mis_dropfrac", mis_dropped.float()),
+                # k3 estimate of KL(engine ‖ trainer) from the engine's samples: r − 1 − log r, r = π_trainer/π_engine
+                ("mismatch_k3", diff.exp() - 1 - diff),
             ):
                 sums[key] = float((value * m).sum())
         return sums
+
+    def _quantile(self, parts: list[torch.Tensor], q: float) -> float:
+        """The `q` quantile of the values all data-parallel ranks collected (tensor-parallel peers hold the same)."""
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (self.dp_rank, torch.cat(parts) if parts else torch.zeros(0)))
+        values = torch.cat(list(dict(gathered).values()))  # keyed by data-parallel rank: each token once
+        return float(torch.quantile(values.double(), q)) if values.numel() else 0.0
 
     @torch.no_grad()
     def _padded_logprobs(self, batch: TrainBatch, as_pushed: bool | None = None) -> torch.Tensor:
