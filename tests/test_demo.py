@@ -102,15 +102,16 @@ def test_short_demo_on_the_hf_engine(tmp_path):
 def test_demo_learns_under_int4_rollout_with_matching_qat(tmp_path):
     """The precision recipe that matches training to the rollout: the engines generate with INT4 weights (pushed
     before step 1 and after every step), the trainer forwards under the same INT4 grid (QAT, straight-through to
-    its fp32 master weights). On the default engine (SGLang where installed, as in CI): measured 0.354 → 0.548
-    held-out accuracy in 20 steps, and the trainer's logprobs equal the engine's to ≈ 2e-7 at every step."""
-    steps = 20
+    its fp32 master weights). On the default engine (SGLang where installed, as in CI), measured in three runs:
+    0.35 → 0.44–0.55 held-out accuracy at step 20 and 0.59 at step 40; the trainer's logprobs equal the engine's
+    to ≈ 2.5e-7 at every step."""
+    steps = 40
     overrides = ["sync.quantization=int4", "train.quantization=int4", f"schedule.num_steps={steps}"]
     overrides += ["schedule.stop_at_accuracy=null", "rollout.eval.every_steps=20"]
     _, store = miles_run(tmp_path, *overrides)
     assert store.job(1).status == "succeeded", store.job(1).error
     curve = dict(store.metric_series(1, "eval/accuracy"))
-    assert curve[steps] >= curve[0] + 0.1, curve
+    assert curve[steps] >= curve[0] + 0.12, curve
     check_weight_syncs(store, 1, steps, first=0)  # version 0: the checkpoint, quantized before the first rollout
     # the engines run exactly the INT4 weights the trainer computes with (an unquantized engine differs by ≈ 4e-2)
     diffs = [v for _, v in store.metric_series(1, "train/logprob_diff")]
