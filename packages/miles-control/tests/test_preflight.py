@@ -71,6 +71,21 @@ def test_a_format_whose_blocks_do_not_fit_the_model_is_refused(llama32_bf16):
     check_job(spec(sync={"quantization": "fp8"}), llama32_bf16)  # one scale per tensor: any shape
 
 
+def test_megatron_tensor_parallel_shards_must_be_whole_blocks(tmp_path):
+    """Megatron quantizes its own shards: with TP=2 the MLP's down projection holds 96 / 2 = 48 input columns per
+    rank, not a whole number of 32-element groups, although 96 is."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path)  # fmt: skip
+    quant = {"quantization": "int4", "quant_group_size": 32}
+    backend = {"type": "megatron", "world_size": 2, "tensor_parallel_size": 2}
+    with pytest.raises(JobCheckError, match=r"train.quantization: int4 .* intermediate_size / tensor_parallel_size"):
+        check_job(spec(train={"backend": backend, **quant}), tmp_path)
+    check_job(spec(train={"backend": {**backend, "tensor_parallel_size": 1}, **quant}), tmp_path)
+    check_job(spec(sync=quant, train={"backend": backend}), tmp_path)  # pushes are whole HF tensors
+
+
 def test_precision_and_quantization_a_backend_cannot_run_are_refused_at_validation():
     from pydantic import ValidationError
 
@@ -84,6 +99,8 @@ def test_precision_and_quantization_a_backend_cannot_run_are_refused_at_validati
         spec(train={"grpo": {"mis_band": [0.5, 2.0], "old_logprobs": "rollout"}})
     with pytest.raises(ValidationError, match="sync.quantization|Input should be 'none'"):
         spec(sync={"quantization": "fp6"})
+    with pytest.raises(ValidationError, match="train.quant_group_size 64 ≠ sync.quant_group_size 128"):
+        spec(sync={"quantization": "int4"}, train={"quantization": "int4", "quant_group_size": 64})
     # a spec stored before train.precision keeps its meaning
     stored = spec(train={"backend": {"type": "fsdp2", "mixed_precision": "bf16"}})
     assert stored.train.precision == "bf16" and "mixed_precision" not in stored.train.backend.model_dump()

@@ -9,6 +9,7 @@ VARIANT names the backend, its layout and its precision: `fsdp2`, `megatron`, `m
 `offpolicy` turns on truncated importance sampling (cap 1.5) and staleness decay (0.5 per version),
 with staleness 0, 1, 2 within each group. `pushed` tells the backend that the engines hold bf16 weights
 (`set_push_dtype`): it forwards with the weights as pushed and recomputes old logprobs under them.
+`offpolicy-int4push` is `offpolicy` with pushes quantized to INT4 (sync.quantization) and an unquantized trainer.
 `qat-FORMAT` sets train.quantization (int4 groups of 32); `mis` masks tokens whose ratio leaves [0.4, 3] on the
 off-policy batch.
 """
@@ -69,7 +70,7 @@ def main() -> None:
     model_dir, rank, world_size, port, out, ckpt = sys.argv[1:7]
     variant = sys.argv[7] if len(sys.argv) > 7 else "fsdp2"
     mode = sys.argv[8] if len(sys.argv) > 8 else ""
-    offpolicy = mode == "offpolicy"
+    offpolicy = mode.startswith("offpolicy")
     rank, world_size = int(rank), int(world_size)
     torch.set_num_threads(1)
     grpo = {"old_logprobs": "recompute", "kl_coef": 0.1}
@@ -92,6 +93,8 @@ def main() -> None:
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")
     if mode == "pushed":
         backend.set_push_dtype("bfloat16")
+    if mode == "offpolicy-int4push":  # the engines run INT4 weights; the trainer does not quantize
+        backend.set_push_dtype(None, "int4", 32)
     batch = offpolicy_batch() if offpolicy or mode == "mis" else contract_batch()
     result = {"initial": snapshot(backend)}
     result["logprobs"] = backend.compute_logprobs(batch)

@@ -299,12 +299,14 @@ def test_masked_importance_sampling_matches_plain_pytorch(tiny_model_dir, tmp_pa
     assert result["metrics"]["train/loss"] == pytest.approx(float(loss), abs=1e-5)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_off_policy_correction_matches_plain_pytorch(world_size, tiny_model_dir, tmp_path):
-    """Truncated importance sampling and staleness decay weight the loss exactly as written plainly."""
+@pytest.mark.parametrize(("world_size", "mode"), [(1, "offpolicy"), (2, "offpolicy"), (1, "offpolicy-int4push")])
+def test_off_policy_correction_matches_plain_pytorch(world_size, mode, tiny_model_dir, tmp_path):
+    """Truncated importance sampling and staleness decay weight the loss exactly as written plainly. With INT4
+    pushes and an unquantized trainer, π_old is still the trainer's own (unquantized) policy: the PPO ratio
+    starts at 1 and the rollout's quantization error is left to TIS."""
     from miles_train.grpo import staleness_weights, truncated_is_weights
 
-    result = run_ranks(tiny_model_dir, world_size, tmp_path, mode="offpolicy")  # the loop is shared by every backend
+    result = run_ranks(tiny_model_dir, world_size, tmp_path, mode=mode)  # the loop is shared by every backend
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     batch = offpolicy_batch()

@@ -9,7 +9,8 @@ blocks do not fit the model) is reported with the reason instead of a row of num
 Per recipe, from the recorded metrics and spans only:
 
 - rollout-vs-trainer mismatch: mean and p99 |Δ logprob| per token, and the k3 estimate of KL(engine ‖ trainer),
-  averaged over the steps (the trainer's first forward of a step runs before its update: the same policy version);
+  averaged over the steps (with one minibatch, the trainer's forward runs before its update: the same policy
+  version);
 - bytes per push: what travelled (on CPU the engines receive the dequantized values, in the wire dtype) and what a
   push of packed low-precision data with its scales carries (the GPU path's payload, computed from the checkpoint);
 - push latency (the weight_sync span), step time (wall / steps), the reward of the last step, and held-out
@@ -28,6 +29,7 @@ from miles_control.store import Store
 from miles_control.summary import RunSummary, summarize
 
 FORMATS = ("fp8", "fp8_block", "mxfp8", "nvfp4", "int4")
+SAME_AS_SYNC = "same as sync"  # a matching recipe quantizes on the engines' grid, whatever the base spec's
 
 
 def _recipes() -> dict[str, dict[str, Any]]:
@@ -38,7 +40,11 @@ def _recipes() -> dict[str, dict[str, Any]]:
     }
     for fmt in FORMATS:
         recipes[f"{fmt} rollout"] = {"sync.quantization": fmt}
-        recipes[f"{fmt} rollout + {fmt} training"] = {"sync.quantization": fmt, "train.quantization": fmt}
+        recipes[f"{fmt} rollout + {fmt} training"] = {
+            "sync.quantization": fmt,
+            "train.quantization": fmt,
+            "train.quant_group_size": SAME_AS_SYNC,
+        }
     return recipes
 
 
@@ -60,6 +66,8 @@ def with_overrides(base: JobSpec, overrides: dict[str, Any], **top: Any) -> JobS
     """`base` with dotted-path fields replaced (and top-level sections merged from `top`)."""
     data = base.model_dump(mode="json")
     for path, value in overrides.items():
+        if value == SAME_AS_SYNC:
+            value = data["sync"][path.rsplit(".", 1)[1]]
         *parents, leaf = path.split(".")
         node = data
         for key in parents:

@@ -228,6 +228,16 @@ class JobSpec(_Strict):
     ray: RayConfig = Field(default_factory=RayConfig)
     output_dir: str = Field(".miles/runs", description="Where runs write weights and checkpoints.")
 
+    @model_validator(mode="after")
+    def _quantization_grids_agree(self) -> JobSpec:
+        sync, train = self.sync, self.train
+        if sync.quantization == train.quantization == "int4" and sync.quant_group_size != train.quant_group_size:
+            raise ValueError(
+                f"train.quant_group_size {train.quant_group_size} ≠ sync.quant_group_size {sync.quant_group_size}: "
+                "with int4 on both sides the trainer would compute on another grid than the engines run"
+            )
+        return self
+
     @field_validator("schedule", mode="before")
     @classmethod
     def _sync_by_default(cls, value: Any) -> Any:

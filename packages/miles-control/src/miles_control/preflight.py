@@ -90,6 +90,17 @@ def check_quantization(spec: JobSpec, hf_config) -> None:
         "num_attention_heads × head_dim": hf_config.num_attention_heads * head_dim,
     }
     outputs = inputs | {"num_key_value_heads × head_dim": kv_heads * head_dim}
+    backend = spec.train.backend
+    tp = getattr(backend, "tensor_parallel_size", 1)
+    if backend.type == "megatron" and tp > 1:
+        # megatron quantizes its own shards: the row-parallel layers (attention output, MLP down) split their
+        # input dimension over the tensor-parallel ranks, so each rank's part must be whole blocks too
+        split = {
+            "intermediate_size / tensor_parallel_size": hf_config.intermediate_size // tp,
+            "num_attention_heads × head_dim / tensor_parallel_size": hf_config.num_attention_heads * head_dim // tp,
+        }
+    else:
+        split = {}
     for section in ("sync", "train"):
         part = getattr(spec, section)
         fmt = part.quantization
@@ -100,6 +111,8 @@ def check_quantization(spec: JobSpec, hf_config) -> None:
             continue  # fp8: one scale per tensor, any shape
         what = f"{section}.quant_group_size {block}" if fmt == "int4" else f"its {block}-element blocks"
         dims = outputs if fmt == "fp8_block" else inputs
+        if section == "train":
+            dims = dims | split
         for field, size in dims.items():
             if size % block:
                 raise JobCheckError(

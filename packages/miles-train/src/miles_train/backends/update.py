@@ -80,20 +80,22 @@ class GRPOBackend:
         self.reference: Any = None
         self.pad_token_id = 0
         self.step = 0
+        self._diffs: list[torch.Tensor] = []  # |trainer − engine| logprob of the tokens of the current train_step
         self.set_push_dtype(None)
 
     push_dtype: torch.dtype | None = None  # what the engines hold, when a push rounds the master weights
-    push_quant: tuple[str, int] | None = None  # (format, int4 group) the push quantizes linear weights to
+    push_quant: tuple[str, int] | None = None  # (format, int4 group) the push quantizes linear weights to (informs
+    # old_logprobs: auto; the trainer's numerics are train_quant's)
     train_quant: tuple[str, int] | None = None  # (format, int4 group) the forward fake-quantizes linear weights to
 
     def set_push_dtype(self, dtype: str | None, quantization: str = "none", group_size: int = 128) -> None:
         """The dtype the engines hold the weights in (`float32`, `bfloat16`, `float16`; None: as the trainer) and
-        the format the push quantizes the linear weights to (`sync.quantization`).
+        the format the push quantizes the linear weights to (`sync.quantization`: then `old_logprobs: auto`
+        recomputes the ratio's denominator, so the engines' quantized logprobs never enter the PPO ratio).
 
         When it is narrower than the fp32 master weights, a push rounds them: the trainer then forwards with the
         weights as pushed (`train.policy_weights`), recomputes the ratio's denominator under them
-        (`grpo.old_logprobs`), and reports how much of each update the rounding lets through. A quantized push
-        makes the recomputed denominator the logprobs under the quantized weights, what the engines sampled from."""
+        (`grpo.old_logprobs`), and reports how much of each update the rounding lets through."""
         held = None if dtype is None else getattr(torch, dtype)
         self.push_dtype = held if held is not None and held.itemsize < 4 else None
         self.push_quant = None if quantization == "none" else (quantization, group_size)
@@ -152,12 +154,13 @@ class GRPOBackend:
         shards = self._param_shards()
         with torch.no_grad():
             master = [p.detach().clone() for p in shards]
-            if quant is not None:
-                self._fake_quantize(shards, *quant)
-            if dtype is not None:
-                for p in shards:
-                    p.copy_(p.to(dtype))
         try:
+            with torch.no_grad():  # inside the try: a format that refuses a tensor leaves the master weights intact
+                if quant is not None:
+                    self._fake_quantize(shards, *quant)
+                if dtype is not None:
+                    for p in shards:
+                        p.copy_(p.to(dtype))
             yield
         finally:
             with torch.no_grad():
@@ -186,8 +189,11 @@ class GRPOBackend:
                 shard.copy_(formats.fake_quantize(shard, fmt, group_size, name))
 
     def _weights_as_pushed(self, active: bool = True) -> contextlib.AbstractContextManager[None]:
-        """The weights the engines run: the push's quantization and dtype (a no-op unless `active`)."""
-        return self._weights_as(self.push_quant, self.push_dtype) if active else contextlib.nullcontext()
+        """The weights of the ratio's denominator: rounded to the dtype the engines hold, under the trainer's own
+        quantization (`train.quantization`). A push's quantization (`sync.quantization`) is not emulated here:
+        with matching training it is the same grid; without, the trainer's π_old differs from the engine's
+        π_rollout by the format's error, which is what TIS and MIS correct (and the PPO ratio starts at 1)."""
+        return self._weights_as(self.train_quant, self.push_dtype) if active else contextlib.nullcontext()
 
     def _weights_for_forward(self) -> contextlib.AbstractContextManager[None]:
         """The weights the trainer's forward uses: `train.quantization`'s grid, then the push dtype when the policy
@@ -252,7 +258,7 @@ class GRPOBackend:
         old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
         before = [p.detach().clone() for p in self._param_shards()] if self.push_dtype is not None else None
         skips = self.overflow_skips
-        self._diffs: list[torch.Tensor] = []  # |trainer − engine| logprob of every token, for the p99
+        self._diffs = []  # |trainer − engine| logprob of every token, for the p99
         for rows in minibatches:
             # Token count of this minibatch over all ranks: the denominator of the token mean.
             num_tokens = float(sum(sum(batch.loss_mask[i]) for i in rows))

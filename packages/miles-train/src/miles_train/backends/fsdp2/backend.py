@@ -86,6 +86,7 @@ class FSDP2Backend(GRPOBackend):
         self.scaler.update()
         if self.scaler.get_scale() < scale:  # the scale backs off exactly when the step was skipped
             self.overflow_skips += 1
+            return None  # the norm of overflowed gradients is inf or NaN: not a measurement
         return norm
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
