@@ -126,18 +126,23 @@ def run_plan(plan: list[tuple], workdir: Path, results: dict) -> None:
         model_dir, engine_name, _, key, _ = item
         return build_engine(engine_config(engine_name, workdir / "logs" / key), model_dir, seed=0)
 
+    def ahead(item):
+        # Only an SGLang engine starts ahead (a server process). An hf engine loads its model with transformers in
+        # this process, and a load on a thread while the trainer loads its own model races in transformers'
+        # process-wide loading state: a tied head came out untied (lm_head missing from a push). It takes < 1 s.
+        return starter.submit(start, item) if item[1].startswith("sglang") else None
+
     with ThreadPoolExecutor(max_workers=1) as starter, ThreadPoolExecutor(max_workers=2) as stopper:
-        pending = starter.submit(start, plan[0])
+        pending = ahead(plan[0])
         for index, (model_dir, engine_name, backends, key, options) in enumerate(plan):
             started = time.time()
             try:
-                engine = pending.result()
+                engine = pending.result() if pending is not None else start(plan[index])
             except Exception:  # noqa: BLE001 - reported per combination
                 engine = None
                 for backend_type in backends:
                     results[f"{key}/{backend_type}"] = {"error": traceback.format_exc()[-3000:]}
-            if index + 1 < len(plan):
-                pending = starter.submit(start, plan[index + 1])
+            pending = ahead(plan[index + 1]) if index + 1 < len(plan) else None
             if engine is None:
                 continue
             try:
