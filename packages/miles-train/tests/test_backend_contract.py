@@ -277,18 +277,23 @@ def test_qat_int4_forward_uses_the_quantized_weights(variant, world_size, models
     assert result["after"]["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
 
 
+def plain_old_and_reference(model_dir, batch):
+    """The collated batch, and the logprobs of an unsharded fp32 HF model of the checkpoint (π_old, which is also
+    the reference before any step) on it."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    c = collate(batch)
+    with torch.no_grad():
+        old, _ = token_logprobs(model, c)
+    return c, old, old.clone()
+
+
 def test_masked_importance_sampling_matches_plain_pytorch(tiny_model_dir, tmp_path):
     """grpo.mis_band: tokens whose ratio π_old/π_rollout leaves [0.4, 3] carry no loss, as written plainly."""
     from miles_train.grpo import masked_is_weights
 
     result = run_ranks(tiny_model_dir, 2, tmp_path, mode="mis")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     batch = offpolicy_batch()
-    c = collate(batch)
-    with torch.no_grad():
-        old, _ = token_logprobs(model, c)
-        ref_lp, _ = token_logprobs(ref, c)
+    c, old, ref_lp = plain_old_and_reference(tiny_model_dir, batch)
     adv = group_advantages(batch.rewards, batch.group_index)[:, None].expand_as(old)
     pg, _, _ = clipped_policy_loss(old, old, adv, 0.2)
     keep, dropped = masked_is_weights(old, c.rollout_logprobs, 0.4, 3.0)
@@ -307,14 +312,9 @@ def test_off_policy_correction_matches_plain_pytorch(world_size, mode, tiny_mode
     from miles_train.grpo import staleness_weights, truncated_is_weights
 
     result = run_ranks(tiny_model_dir, world_size, tmp_path, mode=mode)  # the loop is shared by every backend
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     batch = offpolicy_batch()
-    c = collate(batch)
-    with torch.no_grad():
-        old, _ = token_logprobs(model, c)
-        ref_lp, _ = token_logprobs(ref, c)
-        logprobs, _ = token_logprobs(model, c)
+    c, old, ref_lp = plain_old_and_reference(tiny_model_dir, batch)
+    logprobs = old  # a first step: the policy is π_old
     adv = group_advantages(batch.rewards, batch.group_index)[:, None].expand_as(logprobs)
     pg, _, _ = clipped_policy_loss(logprobs, old, adv, 0.2)
     tis, truncated = truncated_is_weights(old, c.rollout_logprobs, 1.5)
