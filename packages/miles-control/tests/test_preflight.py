@@ -101,6 +101,12 @@ def test_precision_and_quantization_a_backend_cannot_run_are_refused_at_validati
         spec(sync={"quantization": "fp6"})
     with pytest.raises(ValidationError, match="train.quant_group_size 64 ≠ sync.quant_group_size 128"):
         spec(sync={"quantization": "int4"}, train={"quantization": "int4", "quant_group_size": 64})
+    packed = {"transport": "tensor", "quantization": "fp8_block", "quant_wire": "packed"}
+    with pytest.raises(ValidationError, match="packed needs SGLang on a GPU, and this job has rollout.engine.type: hf"):
+        spec(sync=packed)
+    with pytest.raises(ValidationError, match="rollout.engine.device: cpu"):
+        spec(sync=packed, rollout={"engine": {"type": "sglang", "device": "cpu"}})
+    assert spec(sync=packed, rollout={"engine": {"type": "sglang", "device": "cuda"}}).sync.quant_wire == "packed"
     # a spec stored before train.precision keeps its meaning
     stored = spec(train={"backend": {"type": "fsdp2", "mixed_precision": "bf16"}})
     assert stored.train.precision == "bf16" and "mixed_precision" not in stored.train.backend.model_dump()

@@ -236,6 +236,13 @@ class JobSpec(_Strict):
                 f"train.quant_group_size {train.quant_group_size} ≠ sync.quant_group_size {sync.quant_group_size}: "
                 "with int4 on both sides the trainer would compute on another grid than the engines run"
             )
+        engine = self.rollout.engine
+        if sync.quant_wire == "packed" and (engine.type != "sglang" or engine.device == "cpu"):
+            where = f"rollout.engine.type: {engine.type}" if engine.type != "sglang" else "rollout.engine.device: cpu"
+            raise ValueError(
+                f"sync.quant_wire: packed needs SGLang on a GPU, and this job has {where}: only SGLang's fp8 "
+                "kernels load packed weights; use sync.quant_wire: values (the weight-only emulation)"
+            )
         return self
 
     @field_validator("schedule", mode="before")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 TransportName = Literal["inproc", "disk", "tensor", "broadcast"]
 WireDtype = Literal["float32", "bfloat16", "float16"]
 # Low-precision formats of `miles_sync.formats` (kept here as names so a spec validates without torch).
 QuantFormat = Literal["none", "fp8", "fp8_block", "mxfp8", "nvfp4", "int4"]
+QuantWire = Literal["values", "packed"]
 QUANT_DESCRIPTION = (
     "none | fp8 (E4M3, per-tensor scale) | fp8_block (E4M3, 128×128 block scales) | mxfp8 (OCP MX: 32-element "
     "blocks, E8M0 scale) | nvfp4 (E2M1, 16-element blocks, E4M3 block scale + fp32 tensor scale) | int4 "
@@ -49,6 +50,28 @@ class SyncBase(BaseModel):
         + " On CPU the engines receive the dequantized values of the format's grid (weight-only emulation).",
     )
     quant_group_size: int = Field(128, gt=0, description="quantization: int4's group along the input dimension.")
+    quant_wire: QuantWire = Field(
+        "values",
+        description="How quantized weights travel. values: as the dequantized values of the format's grid in the "
+        "wire dtype (every engine, every format; weight-only emulation). packed: as the format's own bytes and "
+        "scales, loaded by an engine that runs real low-precision kernels on them: SGLang on a GPU, "
+        "quantization: fp8_block, transport: tensor (miles_sync.formats.packed says why only those).",
+    )
+
+    @model_validator(mode="after")
+    def _packed_needs(self) -> Self:
+        if self.quant_wire == "packed":
+            if self.quantization != "fp8_block":
+                raise ValueError(
+                    f"sync.quant_wire: packed needs sync.quantization: fp8_block (got {self.quantization!r}): the "
+                    "other formats' packed layouts cannot be updated in place on an engine; use quant_wire: values"
+                )
+            if self.transport != "tensor":
+                raise ValueError(
+                    f"sync.quant_wire: packed travels on sync.transport: tensor (got {self.transport!r}), the path "
+                    "SGLang loads packed fp8 updates through"
+                )
+        return self
 
     def placed(self, run_dir: str) -> Self:
         """This config with what it leaves to the run (a folder) filled in under `run_dir`."""

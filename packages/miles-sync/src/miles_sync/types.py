@@ -31,6 +31,9 @@ class WeightHandle:
     """The dtype floating-point tensors were cast to before sending (`sync.dtype`); None: sent as given.
     A receiver that holds a wider dtype reports its fingerprint in this one, so the check compares like with
     like."""
+    packed: str | None = None
+    """The format whose packed bytes and scales the quantized weights travel in (`sync.quant_wire: packed`); None:
+    every tensor is plain values. A receiver must hold that packed layout (miles_sync.formats.packed)."""
     location: str | None = None  # disk: the folder holding the buckets
     buckets: list[list[NamedTensor]] | None = field(default=None, repr=False)  # inproc: the tensors
     payloads: list[str] | None = field(default=None, repr=False)  # tensor: serialized shared-memory buckets

@@ -175,7 +175,8 @@ class RolloutWorker:
         # Ray limits an actor to its fractional CPU share; in the sync schedule rollout has the machine.
         torch.set_num_threads(os.cpu_count() or 1)
         pin_to(cpus)  # before the engine starts: SGLang servers inherit the cores
-        self.engine = build_engine(job.rollout.engine, Path(model_path), seed=job.seed)
+        packed = job.sync.quantization if job.sync.quant_wire == "packed" else None
+        self.engine = build_engine(job.rollout.engine, Path(model_path), seed=job.seed, packed=packed)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         encoder = PromptEncoder(tokenizer, job.data.chat_template, job.data.system_prompt)
         self.manager = RolloutManager(self.engine, tokenizer, job.rollout, encoder)

@@ -24,7 +24,13 @@ def check_model(config: HFEngineConfig | SGLangEngineConfig, hf_config: Any) -> 
             )
 
 
-def build_engine(config: HFEngineConfig | SGLangEngineConfig, model_path: str | Path, seed: int = 0) -> RolloutEngine:
+def build_engine(
+    config: HFEngineConfig | SGLangEngineConfig, model_path: str | Path, seed: int = 0, packed: str | None = None
+) -> RolloutEngine:
+    """The engine of `config` serving `model_path`. `packed`: the format the pushes carry packed
+    (`sync.quant_wire: packed`); the engine then serves a packed copy of the checkpoint (sglang on a GPU only)."""
+    if packed is not None and config.type != "sglang":
+        raise ValueError(f"sync.quant_wire: packed needs rollout.engine.type: sglang (got {config.type!r})")
     if config.type == "hf":
         from miles_rollout.engines.hf import HFEngine
 
@@ -32,5 +38,5 @@ def build_engine(config: HFEngineConfig | SGLangEngineConfig, model_path: str | 
     if config.type == "sglang":
         from miles_rollout.engines.sglang.engine import SGLangEngine
 
-        return SGLangEngine(model_path, config, seed=seed)
+        return SGLangEngine(model_path, config, seed=seed, packed=packed)
     raise ValueError(f"unknown rollout engine {config.type!r}")

@@ -181,6 +181,11 @@ class HFEngine:
         return self.model is not None
 
     def receive(self, handle: WeightHandle) -> str:
+        if handle.packed is not None:
+            raise ValueError(
+                f"hf engine: weight version {handle.weight_version} carries packed {handle.packed} weights, which "
+                "only SGLang on a GPU loads; use sync.quant_wire: values"
+            )
         # named_parameters() names a tied head once, as the embedding: the rule of miles_sync.naming.
         params = dict(self.model.named_parameters())
         # Read everything before touching the model, so a bad version is refused whole.

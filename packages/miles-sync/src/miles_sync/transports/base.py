@@ -21,11 +21,18 @@ class BucketedSender:
         fp = Fingerprinter()
         num_tensors = num_bytes = num_buckets = 0
         self._begin(weight_version)
-        if self.config.quantization != "none":  # torchao loads only when a format is used
-            from miles_sync.formats import quantized_for_push
+        if self.config.quant_wire == "packed":  # fp8 values and fp32 scales travel as they are; the rest is cast
+            from miles_sync.formats.packed import packed_for_push
 
-            named_tensors = quantized_for_push(named_tensors, self.config.quantization, self.config.quant_group_size)
-        stream = cast_for_wire(named_tensors, self._dtype)
+            stream = packed_for_push(named_tensors, self.config.quantization, self._dtype)
+        else:
+            if self.config.quantization != "none":  # torchao loads only when a format is used
+                from miles_sync.formats import quantized_for_push
+
+                named_tensors = quantized_for_push(
+                    named_tensors, self.config.quantization, self.config.quant_group_size
+                )
+            stream = cast_for_wire(named_tensors, self._dtype)
         for index, bucket in enumerate(iter_buckets(stream, self.config.bucket_bytes)):
             for name, tensor in bucket:
                 fp.add(name, tensor)
@@ -44,6 +51,7 @@ class BucketedSender:
                 num_buckets=num_buckets,
                 fingerprint=fp.hexdigest(),
                 dtype=None if self._dtype is None else self.config.dtype,
+                packed=self.config.quantization if self.config.quant_wire == "packed" else None,
             )
         )
 

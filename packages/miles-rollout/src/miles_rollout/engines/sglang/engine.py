@@ -29,7 +29,7 @@ from miles_rollout.engines.sglang.dispatch import Dispatcher
 from miles_rollout.engines.sglang.pause import PauseControl
 from miles_rollout.engines.sglang.recovery import recover
 from miles_rollout.engines.sglang.router import Router, Slot
-from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer
+from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer, use_cpu
 from miles_rollout.engines.sglang.weights import WeightLoader, WeightMismatchError, folder_tensors
 from miles_rollout.types import GenerateRequest, GenerateResult
 from miles_sync import WeightHandle, without_tied_head
@@ -42,9 +42,15 @@ class SGLangEngine:
 
     name = "sglang"
 
-    def __init__(self, model_path: str | Path, config: SGLangEngineConfig, seed: int = 0) -> None:
+    def __init__(
+        self, model_path: str | Path, config: SGLangEngineConfig, seed: int = 0, packed: str | None = None
+    ) -> None:
+        """`packed`: pushes carry the linear weights packed in this format (`sync.quant_wire: packed`); the servers
+        then start from a packed copy of the checkpoint written under the log folder (attached servers must
+        already serve one: `miles_sync.formats.packed.write_packed_checkpoint`). GPU only."""
         self.config = config
         self.model_path = Path(model_path)
+        self.packed = packed
         self.seed = seed
         self.slots: list[Slot] = []
         self.router: Router | None = None
@@ -55,7 +61,13 @@ class SGLangEngine:
         self._weight_version = 0
         self._calls = ServerCalls(config.request_timeout_s)
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="miles-sglang-"))
+        # Packed weights are checked in transit (the fingerprint of what the servers received), not on the
+        # servers: SGLang may re-lay-out fp8 scales after loading for the GPU's kernels, so its checksums of
+        # them are not the published tensors' (miles_sync.formats.packed).
+        self._server_check = config.verify_weights and packed is None
         try:
+            if packed is not None:
+                self.model_path = self._packed_checkpoint(packed)
             self._start()
         except BaseException:
             self.shutdown()  # never leave launched servers behind a failed start
@@ -78,14 +90,24 @@ class SGLangEngine:
             self._check_reachable(slot.url)
         # A checkpoint may still carry the head of a tied model; SGLang skips it, and so does the check.
         initial = list(without_tied_head(folder_tensors(self.model_path), self._tied))
-        self._weights = WeightLoader(self.name, self.slots, self._calls, self._dtype_name, initial)
-        if config.verify_weights:  # before the router's health checks start
+        self._weights = WeightLoader(self.name, self.slots, self._calls, self._dtype_name, initial, self.packed)
+        if self._server_check:  # before the router's health checks start
             for slot in self.slots:
                 self._weights.verify(slot, self._weight_version)
         self.router = Router(self.slots, self._recover, config.health_interval_s, config.health_timeout_s, self._busy)
         self._pause = PauseControl(self.slots, self.router, self._calls)
         self._dispatcher = Dispatcher(config, self.slots, self.router)
         self._weights.attach(self.router, self._pause)
+
+    def _packed_checkpoint(self, fmt: str) -> Path:
+        if not self.config.urls and use_cpu(self.config):
+            raise EngineStartError(
+                f"sync.quant_wire: packed runs SGLang's {fmt} kernels, which need a GPU (this engine runs on CPU: "
+                "rollout.engine.device, or no CUDA device); use sync.quant_wire: values, the weight-only emulation"
+            )
+        from miles_sync.formats.packed import write_packed_checkpoint
+
+        return write_packed_checkpoint(self.model_path, self._log_dir / f"checkpoint-{fmt}", fmt)
 
     def _launch(self, index: int) -> SGLangServer:
         return SGLangServer(self.model_path, self.config, self._dtype_name, index, self._log_dir, self.seed)
@@ -143,14 +165,15 @@ class SGLangEngine:
         with self._busy:
             self._weights.load(handle)
             self._weight_version = handle.weight_version
-            if self.config.verify_weights:
+            if self._server_check:
                 for slot in [s for s in self.slots if s.admitted]:
                     self._weights.verify(slot, self._weight_version)
         return self._weights.fingerprint
 
     def weight_fingerprint(self) -> str:
-        """The HF-layout fingerprint of the weights every admitted server holds (verified now, always)."""
-        for slot in [s for s in self.slots if s.admitted]:
+        """The HF-layout fingerprint of the weights every admitted server holds (verified now, except for packed
+        weights: see `_server_check`)."""
+        for slot in [s for s in self.slots if s.admitted and self.packed is None]:
             self._weights.verify(slot, self._weight_version)
         return self._weights.fingerprint
 

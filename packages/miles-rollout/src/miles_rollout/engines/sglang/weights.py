@@ -23,7 +23,7 @@ from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.pause import PauseControl
 from miles_rollout.engines.sglang.router import Router, Slot
 from miles_rollout.engines.sglang.server import EngineStartError
-from miles_sync import NamedTensor, WeightHandle, read_buckets
+from miles_sync import NamedTensor, WeightHandle, read_buckets, weight_fingerprint
 
 TRANSPORTS = ("disk", "tensor", "broadcast")
 
@@ -44,9 +44,16 @@ class WeightLoader:
     """Loads versions into the admitted servers and checks them; `current` is the version they must hold."""
 
     def __init__(
-        self, name: str, slots: list[Slot], calls: ServerCalls, dtype_name: str, initial: list[NamedTensor]
+        self,
+        name: str,
+        slots: list[Slot],
+        calls: ServerCalls,
+        dtype_name: str,
+        initial: list[NamedTensor],
+        packed: str | None = None,
     ) -> None:
         self.name, self.slots, self.calls = name, slots, calls
+        self.packed = packed  # the format pushes must carry packed (the servers hold that layout), or None
         self.router: Router | None = None  # attach(): loading needs them, the start-up check does not
         self.pause: PauseControl | None = None
         self.dtype_name = dtype_name
@@ -69,7 +76,10 @@ class WeightLoader:
         self.current = tensors
         self.names = {name for name, _ in tensors}
         self._expected: dict[str, str] | None = None
-        self.fingerprint = held_fingerprint(tensors, self.dtype_name, self.wire_dtype)
+        if self.packed is None:
+            self.fingerprint = held_fingerprint(tensors, self.dtype_name, self.wire_dtype)
+        else:  # held as received: fp8 values and fp32 scales as packed, the rest in the wire dtype (= held)
+            self.fingerprint = weight_fingerprint(tensors)
 
     @property
     def expected(self) -> dict[str, str]:
@@ -79,6 +89,13 @@ class WeightLoader:
         return self._expected
 
     def _accept(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
+        if handle.packed != self.packed:
+            held = f"packed {self.packed} weights" if self.packed else "plain-value weights"
+            sent = f"packed {handle.packed} weights" if handle.packed else "plain-value weights"
+            raise ValueError(
+                f"{self.name} engine: weight version {handle.weight_version} carries {sent} but the servers hold "
+                f"{held}: sync.quant_wire must be the same for the engine and every push"
+            )
         check_names(self.name, handle.weight_version, {name for name, _ in tensors}, self.names)
         self.wire_dtype = handle.dtype
         self.set_current(tensors)
