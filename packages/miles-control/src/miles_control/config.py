@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from miles_rollout.config import DataConfig, PauseMode, RolloutConfig
+from miles_rollout.config import DataConfig, PauseMode, RolloutConfig, gpus_per_server
 from miles_sync.config import DiskSync, SyncConfig
 from miles_train.config import TrainConfig
 
@@ -201,6 +201,85 @@ class StoreConfig(_Strict):
     samples_per_step: int = Field(4, ge=0, le=64, description="Generations kept per step for people to read.")
 
 
+class ResourcesConfig(_Strict):
+    """Where the job's processes run and which GPUs they hold (the planner, `miles_control.placement`, turns this
+    into Ray placement groups before anything starts)."""
+
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated",
+        description="disaggregated: trainer and engines on their own GPUs (they can overlap: every schedule). "
+        "colocated: the engines share the trainer's GPUs, releasing their memory while it steps (sync schedule, "
+        "SGLang, transport tensor or disk).",
+    )
+    trainer_gpus_per_rank: int | Literal["auto"] = Field(
+        "auto", description="GPUs each trainer rank holds; auto: 1 on a cluster with GPUs, else 0 (CPU)."
+    )
+    rollout_gpus_per_engine: int | Literal["auto"] = Field(
+        "auto",
+        description="GPUs of each SGLang server (its --tp-size × --dp-size); auto: that product on a cluster with "
+        "GPUs, else 0 (CPU). The hf engine runs on CPU.",
+    )
+    trainer_node: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each trainer rank also asks for, to choose its node (a node started "
+        "with `ray start --resources '{\"trainer\": 8}'` and trainer_node: {trainer: 1}).",
+    )
+    rollout_node: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources the rollout worker also asks for (its node)."
+    )
+    trainer_labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray node labels the trainer ranks' node must carry (`ray start --labels`)."
+    )
+    rollout_labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray node labels the rollout worker's node must carry."
+    )
+
+    @field_validator("trainer_gpus_per_rank", "rollout_gpus_per_engine")
+    @classmethod
+    def _not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be ≥ 0 or auto")
+        return value
+
+
+def resources_fit_the_job(spec: JobSpec) -> None:
+    """What the resource plan must agree with in the rest of the spec (the cluster is checked at start-up)."""
+    res, engine = spec.resources, spec.rollout.engine
+    if engine.type == "sglang" and isinstance(res.rollout_gpus_per_engine, int) and res.rollout_gpus_per_engine:
+        need = gpus_per_server(engine.extra_args)
+        if res.rollout_gpus_per_engine != need:
+            raise ValueError(
+                f"resources.rollout_gpus_per_engine: {res.rollout_gpus_per_engine} is not what each SGLang server "
+                f"uses: --tp-size × --dp-size in rollout.engine.extra_args = {need}"
+            )
+    if engine.type == "hf" and res.rollout_gpus_per_engine not in (0, "auto"):
+        raise ValueError("resources.rollout_gpus_per_engine: the hf engine runs on CPU; use 0 (or auto)")
+    if res.mode != "colocated":
+        return
+    # (field, its value, whether colocated works with it, why not)
+    checks = [
+        ("rollout.engine.type", engine.type, engine.type == "sglang",
+         "the engines must release their GPU memory while the trainer steps, which SGLang does"),
+        ("schedule.type", spec.schedule.type, spec.schedule.type == "sync",
+         "generation and training take turns on the same GPUs, so they cannot overlap"),
+        ("sync.transport", spec.sync.transport, spec.sync.transport in ("tensor", "disk"),
+         "broadcast would put two NCCL ranks on one GPU; use tensor (CUDA IPC on the same device) or disk"),
+        ("resources.trainer_gpus_per_rank", res.trainer_gpus_per_rank, res.trainer_gpus_per_rank in (1, "auto"),
+         "each rank holds one GPU, which the engines share"),
+    ]  # fmt: skip
+    for name, value, ok, why in checks:
+        if not ok:
+            raise ValueError(f"resources.mode: colocated does not work with {name}: {value}: {why}")
+    if engine.type == "sglang" and not engine.urls:
+        per_server = gpus_per_server(engine.extra_args)
+        world = spec.train.backend.world_size
+        if engine.num_engines * per_server != world:
+            raise ValueError(
+                f"resources.mode: colocated puts the engines on the trainer's GPUs: {engine.num_engines} engine(s) × "
+                f"{per_server} GPU(s) must equal train.backend.world_size ({world}, one GPU per rank)"
+            )
+
+
 class RayConfig(_Strict):
     address: str | None = Field(None, description="Ray cluster address; None starts a local instance.")
     num_cpus: int | None = Field(None, gt=0, description="CPUs of the local instance; None = all.")
@@ -226,6 +305,7 @@ class JobSpec(_Strict):
     schedule: ScheduleConfig = Field(default_factory=SyncSchedule)
     store: StoreConfig = Field(default_factory=StoreConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     output_dir: str = Field(".miles/runs", description="Where runs write weights and checkpoints.")
 
     @model_validator(mode="after")
@@ -237,6 +317,7 @@ class JobSpec(_Strict):
                 "with int4 on both sides the trainer would compute on another grid than the engines run"
             )
         engine = self.rollout.engine
+        resources_fit_the_job(self)
         if sync.quant_wire == "packed" and (engine.type != "sglang" or engine.device == "cpu"):
             where = f"rollout.engine.type: {engine.type}" if engine.type != "sglang" else "rollout.engine.device: cpu"
             raise ValueError(

@@ -15,6 +15,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
 
 
+def _flag(extra_args: list[str], flags: tuple[str, ...], default: int) -> int:
+    for i, arg in enumerate(extra_args):
+        for flag in flags:
+            if arg == flag and i + 1 < len(extra_args):
+                return int(extra_args[i + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return default
+
+
+def tp_size(extra_args: list[str]) -> int:
+    """Tensor-parallel ranks of an SGLang server, from `--tp-size N` / `--tp N` among its extra flags."""
+    return _flag(extra_args, ("--tp-size", "--tp"), 1)
+
+
+def gpus_per_server(extra_args: list[str]) -> int:
+    """GPUs one SGLang server uses: `--tp-size` × `--dp-size` (data-parallel replicas inside the server)."""
+    return tp_size(extra_args) * _flag(extra_args, ("--dp-size", "--dp"), 1)
+
+
 class HFEngineConfig(_Strict):
     """In-process transformers engine: batched sampling with a KV cache."""
 

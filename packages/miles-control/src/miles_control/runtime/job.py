@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -10,6 +11,14 @@ from typing import Any
 
 from miles_control.config import JobSpec, RayConfig
 from miles_control.convert import rollout_metrics, staleness_metrics, to_train_batch
+from miles_control.placement import (
+    Plan,
+    engine_gpu_ids,
+    make_plan,
+    rollout_options,
+    trainer_placement,
+    trainer_rank_options,
+)
 from miles_control.recorder import Recorder
 from miles_control.runtime.workers import (
     Evaluated,
@@ -78,15 +87,14 @@ class TrainerGroup:
         num_receivers: int = 1,
         pin_cpus: list[int] | None = None,
         pushed_precision: str = "float32",
+        plan: Plan | None = None,
     ) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world_size = spec.train.backend.world_size
-        cpus = spec.ray.trainer_cpus_per_rank
-        self.placement_group = placement_group([{"CPU": cpus}] * world_size, strategy="PACK")
-        ray.get(self.placement_group.ready())
+        plan = plan or make_plan(spec, ray.cluster_resources())
+        self.placement_group = trainer_placement(plan)
 
         def on_bundle(index: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
@@ -95,7 +103,7 @@ class TrainerGroup:
         actor = ray.remote(TrainerWorker)
         spec_dict = spec.model_dump(mode="json")
         self.ranks = [
-            actor.options(num_cpus=cpus, scheduling_strategy=on_bundle(rank), name=None).remote(
+            actor.options(**trainer_rank_options(plan, self.placement_group, rank), name=None).remote(
                 spec_dict,
                 str(model_path),
                 rank,
@@ -108,6 +116,12 @@ class TrainerGroup:
             )
             for rank in range(world_size)
         ]
+
+    def gpu_ids(self) -> list[str]:
+        """The GPU ids Ray gave the ranks, in rank order (empty on CPU)."""
+        import ray
+
+        return [gpu for ids in ray.get([rank.gpu_ids.remote() for rank in self.ranks]) for gpu in ids]
 
     def _on_every_rank(self, call: Any) -> Any:
         """`call(rank)` returns an ObjectRef; all ranks run it (collectives inside), rank 0's answer is returned."""
@@ -182,20 +196,48 @@ class JobRuntime:
                 f"trainer on cores {self.cpu_split['trainer']}, rollout on {self.cpu_split['rollout']}",
                 **self.cpu_split,
             )
-        self.rollout = (
-            ray.remote(RolloutWorker)
-            # Threads: a weight push, an evaluation and a take() may run while generation goes on.
-            .options(num_cpus=spec.ray.rollout_cpus, max_concurrency=4)
-            .remote(
-                spec.model_dump(mode="json"), str(model_path), train_prompts, eval_prompts, self.cpu_split["rollout"]
+        # The resource plan, checked against the cluster before any actor starts (miles_control.placement).
+        self.plan = make_plan(spec, ray.cluster_resources())
+        recorder.event("placement", self.plan.describe(), **dataclasses.asdict(self.plan))
+
+        def start_rollout(trainer_group: Any = None, engine_gpus: list[list[str]] | None = None) -> Any:
+            return (
+                ray.remote(RolloutWorker)
+                # Threads: a weight push, an evaluation and a take() may run while generation goes on.
+                .options(**rollout_options(self.plan, trainer_group), max_concurrency=4)
+                .remote(
+                    spec.model_dump(mode="json"),
+                    str(model_path),
+                    train_prompts,
+                    eval_prompts,
+                    self.cpu_split["rollout"],
+                    self.plan,
+                    engine_gpus,
+                )
             )
-        )
-        # The broadcast transport's group has a rank for every receiver the engine brings (asking waits for the
-        # engine to start, so only then; other transports start trainer and engine side by side).
-        num_receivers = ray.get(self.rollout.broadcast_ranks.remote()) if spec.sync.transport == "broadcast" else 1
-        self.trainer = TrainerGroup(
-            spec, model_path, run_dir / "weights", num_receivers, self.cpu_split["trainer"], self.pushed_precision
-        )
+
+        def start_trainer(num_receivers: int) -> TrainerGroup:
+            return TrainerGroup(
+                spec,
+                model_path,
+                run_dir / "weights",
+                num_receivers,
+                self.cpu_split["trainer"],
+                self.pushed_precision,
+                self.plan,
+            )
+
+        if self.plan.mode == "colocated":
+            # The engines run on the trainer ranks' GPUs: the trainer is placed first (broadcast is refused here).
+            self.trainer = start_trainer(1)
+            engine_gpus = engine_gpu_ids(self.plan, self.trainer.gpu_ids())
+            self.rollout = start_rollout(self.trainer.placement_group, engine_gpus)
+        else:
+            self.rollout = start_rollout()
+            # The broadcast transport's group has a rank for every receiver the engine brings (asking waits for
+            # the engine to start, so only then; other transports start trainer and engine side by side).
+            num_receivers = ray.get(self.rollout.broadcast_ranks.remote()) if spec.sync.transport == "broadcast" else 1
+            self.trainer = start_trainer(num_receivers)
 
     def generate(self, step: int):
 
@@ -266,8 +308,17 @@ class JobRuntime:
         return result.metrics
 
     def train(self, step: int, batch, staleness: list[int] | None = None) -> dict[str, float]:
+        import ray
+
         train_batch = to_train_batch(batch, staleness)
-        result = self.trainer.train_step(train_batch)
+        colocated = self.plan.mode == "colocated"
+        if colocated:  # the engines give their GPU memory to the trainer for the step, then take it back
+            ray.get(self.rollout.release_memory.remote())
+        try:
+            result = self.trainer.train_step(train_batch)
+        finally:
+            if colocated:
+                ray.get(self.rollout.resume_memory.remote())
         metrics = result.metrics
         num_tokens = int(metrics["train/num_tokens"])
         self.recorder.span("train", step, "trainer", result.start, result.end, num_tokens=num_tokens)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles_control.placement import Plan, engine_gpu_ids
 from miles_sync import WeightHandle
 
 if TYPE_CHECKING:
@@ -117,6 +118,12 @@ class TrainerWorker:
         if rank == 0:
             self.sender = build_sender(job.sync.placed(weights_dir), num_receivers=num_receivers)
 
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray gave this rank (its CUDA_VISIBLE_DEVICES); empty on CPU."""
+        import ray
+
+        return [str(gpu) for gpu in ray.get_gpu_ids()]
+
     def train_step(self, batch) -> TrainResult:
         start = time.time()
         metrics = self.backend.train_step(batch)
@@ -161,7 +168,12 @@ class RolloutWorker:
         train_prompts: list,
         eval_prompts: list,
         cpus: list[int] | None = None,
+        plan: Plan | None = None,
+        engine_gpus: list[list[str]] | None = None,
     ) -> None:
+        """`plan`: the job's resource plan; `engine_gpus`: each SGLang server's GPUs when the plan assigns them
+        from outside this actor (colocated: the trainer ranks'); else they come from the GPUs Ray gave it."""
+        import ray
         import torch
         from transformers import AutoTokenizer
 
@@ -176,7 +188,16 @@ class RolloutWorker:
         torch.set_num_threads(os.cpu_count() or 1)
         pin_to(cpus)  # before the engine starts: SGLang servers inherit the cores
         packed = job.sync.quantization if job.sync.quant_wire == "packed" else None
-        self.engine = build_engine(job.rollout.engine, Path(model_path), seed=job.seed, packed=packed)
+        if engine_gpus is None and plan is not None and plan.gpus_per_engine:
+            engine_gpus = engine_gpu_ids(plan, [str(gpu) for gpu in ray.get_gpu_ids()])
+        self.engine_gpus = engine_gpus
+        engine_config = job.rollout.engine
+        if plan is not None and plan.mode == "colocated" and "--enable-memory-saver" not in engine_config.extra_args:
+            # SGLang frees and retakes its GPU memory around each train step only with its memory saver on.
+            engine_config = engine_config.model_copy(
+                update={"extra_args": [*engine_config.extra_args, "--enable-memory-saver"]}  # type: ignore[union-attr]
+            )
+        self.engine = build_engine(engine_config, Path(model_path), seed=job.seed, packed=packed, gpu_ids=engine_gpus)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         encoder = PromptEncoder(tokenizer, job.data.chat_template, job.data.system_prompt)
         self.manager = RolloutManager(self.engine, tokenizer, job.rollout, encoder)
@@ -194,6 +215,13 @@ class RolloutWorker:
 
     def broadcast_ranks(self) -> int:
         return self.engine.broadcast_ranks
+
+    def release_memory(self) -> None:
+        """Colocated mode (SGLang only, checked by the spec): free the engines' GPU memory for the trainer."""
+        self.engine.release_memory()  # type: ignore[attr-defined]
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()  # type: ignore[attr-defined]
 
     def skip_prompts(self, num_prompts: int) -> None:
         """Advance the prompt stream past what earlier steps used (a resume continues where they stopped)."""

@@ -25,18 +25,26 @@ def check_model(config: HFEngineConfig | SGLangEngineConfig, hf_config: Any) -> 
 
 
 def build_engine(
-    config: HFEngineConfig | SGLangEngineConfig, model_path: str | Path, seed: int = 0, packed: str | None = None
+    config: HFEngineConfig | SGLangEngineConfig,
+    model_path: str | Path,
+    seed: int = 0,
+    packed: str | None = None,
+    gpu_ids: list[list[str]] | None = None,
 ) -> RolloutEngine:
     """The engine of `config` serving `model_path`. `packed`: the format the pushes carry packed
-    (`sync.quant_wire: packed`); the engine then serves a packed copy of the checkpoint (sglang on a GPU only)."""
+    (`sync.quant_wire: packed`); the engine then serves a packed copy of the checkpoint (sglang on a GPU only).
+    `gpu_ids`: each SGLang server's GPUs, from the resource plan (`miles_control.placement`)."""
     if packed is not None and config.type != "sglang":
         raise ValueError(f"sync.quant_wire: packed needs rollout.engine.type: sglang (got {config.type!r})")
     if config.type == "hf":
         from miles_rollout.engines.hf import HFEngine
 
+        if gpu_ids:
+            raise ValueError("the hf engine runs on CPU: it takes no GPUs (resources.rollout_gpus_per_engine: 0)")
+
         return HFEngine(model_path, config, seed=seed)
     if config.type == "sglang":
         from miles_rollout.engines.sglang.engine import SGLangEngine
 
-        return SGLangEngine(model_path, config, seed=seed, packed=packed)
+        return SGLangEngine(model_path, config, seed=seed, packed=packed, gpu_ids=gpu_ids)
     raise ValueError(f"unknown rollout engine {config.type!r}")

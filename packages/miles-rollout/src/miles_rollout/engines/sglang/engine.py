@@ -43,14 +43,23 @@ class SGLangEngine:
     name = "sglang"
 
     def __init__(
-        self, model_path: str | Path, config: SGLangEngineConfig, seed: int = 0, packed: str | None = None
+        self,
+        model_path: str | Path,
+        config: SGLangEngineConfig,
+        seed: int = 0,
+        packed: str | None = None,
+        gpu_ids: list[list[str]] | None = None,
     ) -> None:
         """`packed`: pushes carry the linear weights packed in this format (`sync.quant_wire: packed`); the servers
         then start from a packed copy of the checkpoint written under the log folder (attached servers must
-        already serve one: `miles_sync.formats.packed.write_packed_checkpoint`). GPU only."""
+        already serve one: `miles_sync.formats.packed.write_packed_checkpoint`). GPU only. `gpu_ids`: each
+        server's GPUs (the resource plan's, `miles_control.placement`); None leaves the choice to SGLang."""
         self.config = config
         self.model_path = Path(model_path)
         self.packed = packed
+        self.gpu_ids = gpu_ids
+        if gpu_ids is not None and len(gpu_ids) != config.num_engines:
+            raise ValueError(f"sglang engine: {len(gpu_ids)} GPU assignments for {config.num_engines} servers")
         self.seed = seed
         self.slots: list[Slot] = []
         self.router: Router | None = None
@@ -110,7 +119,8 @@ class SGLangEngine:
         return write_packed_checkpoint(self.model_path, self._log_dir / f"checkpoint-{fmt}", fmt)
 
     def _launch(self, index: int) -> SGLangServer:
-        return SGLangServer(self.model_path, self.config, self._dtype_name, index, self._log_dir, self.seed)
+        gpus = None if self.gpu_ids is None else self.gpu_ids[index]
+        return SGLangServer(self.model_path, self.config, self._dtype_name, index, self._log_dir, self.seed, gpus)
 
     def _check_reachable(self, url: str) -> None:
         try:
@@ -147,6 +157,19 @@ class SGLangEngine:
 
     async def flush_cache(self) -> None:
         self._pause.each_live("/flush_cache")
+
+    def release_memory(self) -> None:
+        """Colocated mode: give the GPU memory of weights and KV cache back while the trainer steps
+        (`/release_memory_occupation`; the servers must run with `--enable-memory-saver`). Not run here: SGLang's
+        memory saver needs CUDA."""
+        with self._busy:
+            self._pause.each_live("/release_memory_occupation", {})
+
+    def resume_memory(self) -> None:
+        """Colocated mode: take the memory back before weights are loaded and generation goes on
+        (`/resume_memory_occupation`)."""
+        with self._busy:
+            self._pause.each_live("/resume_memory_occupation", {})
 
     async def health(self) -> bool:
         """True when every server is admitted and answers `/health_generate`."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from miles_rollout.config import SGLangEngineConfig
+from miles_rollout.config import SGLangEngineConfig, tp_size
 
 SHIM_ENV = "MILES_SGLANG_CPU_SHIM"
 
@@ -64,58 +64,77 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-def tp_size(extra_args: list[str]) -> int:
-    """Tensor-parallel ranks of a server, from `--tp-size N` / `--tp N` among the extra flags."""
-    for i, arg in enumerate(extra_args):
-        for flag in ("--tp-size", "--tp"):
-            if arg == flag and i + 1 < len(extra_args):
-                return int(extra_args[i + 1])
-            if arg.startswith(flag + "="):
-                return int(arg.split("=", 1)[1])
-    return 1
+def server_command(
+    model_path: str | Path,
+    config: SGLangEngineConfig,
+    dtype: str,
+    port: int,
+    seed: int,
+    gpu_ids: list[str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The `sglang.launch_server` command line of one server and the environment variables it adds.
+
+    On CPU: the CPU recipe (torch-native paths, the sgl_kernel shim). With `gpu_ids` (the resource plan's share
+    for this server): `CUDA_VISIBLE_DEVICES` set to them and `--base-gpu-id 0`, so the server
+    uses exactly those GPUs whatever the parent process sees (their number is --tp-size × --dp-size of
+    `extra_args`: the job spec checks it).
+    """
+    args = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-total-tokens",
+        str(config.max_total_tokens),
+        "--random-seed",
+        str(seed),
+        # The warm-up request is English text; it crashes the scheduler for the character tokenizer of
+        # the built-in model, and start-up is checked with real requests below anyway.
+        "--skip-server-warmup",
+    ]
+    env: dict[str, str] = {}
+    if use_cpu(config):
+        # CPU-only recipe (infra/cpu/README.md): torch-native paths and the sgl_kernel import shim.
+        args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        # A parent such as a Ray actor may have pinned OpenMP to one thread; the server gets every core
+        # this process may use (all of the machine unless the job pinned the rollout to some).
+        env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cpu_shim_path()), os.environ.get("PYTHONPATH")]))
+    elif gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        args += ["--base-gpu-id", "0"]  # --tp-size / --dp-size come from rollout.engine.extra_args
+    return args + list(config.extra_args), env
 
 
 class SGLangServer:
     """One `sglang.launch_server` process on loopback, logging to `log_path`."""
 
     def __init__(
-        self, model_path: str | Path, config: SGLangEngineConfig, dtype: str, index: int, log_dir: Path, seed: int = 0
+        self,
+        model_path: str | Path,
+        config: SGLangEngineConfig,
+        dtype: str,
+        index: int,
+        log_dir: Path,
+        seed: int = 0,
+        gpu_ids: list[str] | None = None,
     ):
         self.index = index
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"sglang-{index}.log"
         self.tp_size = tp_size(config.extra_args)
-        args = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            str(model_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            dtype,
-            "--max-total-tokens",
-            str(config.max_total_tokens),
-            "--random-seed",
-            str(seed + index),
-            # The warm-up request is English text; it crashes the scheduler for the character tokenizer of
-            # the built-in model, and start-up is checked with real requests below anyway.
-            "--skip-server-warmup",
-        ]
-        env = dict(os.environ)
-        if use_cpu(config):
-            # CPU-only recipe (infra/cpu/README.md): torch-native paths and the sgl_kernel import shim.
-            args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-            # A parent such as a Ray actor may have pinned OpenMP to one thread; the server gets every core
-            # this process may use (all of the machine unless the job pinned the rollout to some).
-            env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cpu_shim_path()), env.get("PYTHONPATH")]))
-        args += config.extra_args
+        self.gpu_ids = gpu_ids
+        args, extra_env = server_command(model_path, config, dtype, self.port, seed + index, gpu_ids)
+        env = {**os.environ, **extra_env}
         log_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
