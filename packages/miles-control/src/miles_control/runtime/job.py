@@ -117,6 +117,12 @@ class TrainerGroup:
             for rank in range(world_size)
         ]
 
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank, in rank order."""
+        import ray
+
+        return ray.get([rank.node_id.remote() for rank in self.ranks])
+
     def gpu_ids(self) -> list[str]:
         """The GPU ids Ray gave the ranks, in rank order (empty on CPU)."""
         import ray
@@ -238,6 +244,15 @@ class JobRuntime:
             # the engine to start, so only then; other transports start trainer and engine side by side).
             num_receivers = ray.get(self.rollout.broadcast_ranks.remote()) if spec.sync.transport == "broadcast" else 1
             self.trainer = start_trainer(num_receivers)
+        trainer_nodes = self.trainer.node_ids()
+        rollout_node = ray.get(self.rollout.node_id.remote())
+        recorder.event(
+            "nodes",
+            f"trainer rank(s) on Ray node(s) {', '.join(dict.fromkeys(n[:8] for n in trainer_nodes))}, rollout on "
+            f"{rollout_node[:8]}",
+            trainer=trainer_nodes,
+            rollout=rollout_node,
+        )
 
     def generate(self, step: int):
 

@@ -80,6 +80,13 @@ def pin_to(cpus: list[int] | None) -> None:
         torch.set_num_threads(len(cpus))
 
 
+def node_id() -> str:
+    """The Ray node this process runs on."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 class TrainerWorker:
     """One trainer rank. Rank 0 also owns the weight sender."""
 
@@ -123,6 +130,9 @@ class TrainerWorker:
         import ray
 
         return [str(gpu) for gpu in ray.get_gpu_ids()]
+
+    def node_id(self) -> str:
+        return node_id()
 
     def train_step(self, batch) -> TrainResult:
         start = time.time()
@@ -215,6 +225,9 @@ class RolloutWorker:
 
     def broadcast_ranks(self) -> int:
         return self.engine.broadcast_ranks
+
+    def node_id(self) -> str:
+        return node_id()
 
     def release_memory(self) -> None:
         """Colocated mode (SGLang only, checked by the spec): free the engines' GPU memory for the trainer."""
