@@ -145,7 +145,24 @@ def describe_error(exc: BaseException) -> str:
     text = _ANSI.sub("", str(plain))
     if plain is not exc and "Traceback" in text:
         text = text.split("Traceback")[0].strip() or text
-    return f"{type(plain).__name__}: {text}{dead_worker_log(text)}"
+    return f"{dead_node_summary(text)}{type(plain).__name__}: {text}{dead_worker_log(text)}"
+
+
+_ROLES = {"RolloutWorker": "the rollout worker", "TrainerWorker": "a trainer rank"}
+
+
+def dead_node_summary(text: str) -> str:
+    """A first line for an actor lost with its Ray node (a machine gone, preempted, its raylet stopped): which
+    worker, which node, and what to do; "" for any other error."""
+    node = re.search(r"its node has died\. Node Id: ([0-9a-f]+)", text)
+    if node is None:
+        return ""
+    role = re.search(r"class_name: (\w+)", text)
+    who = _ROLES.get(role.group(1), role.group(1)) if role else "a worker"
+    return (
+        f"{who} was lost with its Ray node {node.group(1)[:8]}: resume the job (miles jobs resume) once the "
+        "cluster again holds what its resources: plan needs; Ray's report follows.\n"
+    )
 
 
 def dead_worker_log(text: str, lines: int = 25) -> str:
