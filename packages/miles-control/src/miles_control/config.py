@@ -241,6 +241,14 @@ class ResourcesConfig(_Strict):
             raise ValueError("must be ≥ 0 or auto")
         return value
 
+    @field_validator("trainer_node", "rollout_node")
+    @classmethod
+    def _positive_amounts(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if not name or amount <= 0:
+                raise ValueError(f"Ray resource {name!r}: {amount} must be a named amount > 0")
+        return value
+
 
 def resources_fit_the_job(spec: JobSpec) -> None:
     """What the resource plan must agree with in the rest of the spec (the cluster is checked at start-up)."""
