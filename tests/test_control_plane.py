@@ -107,7 +107,14 @@ def plane(tmp_path, request):
             cleanup()
 
 
-@pytest.mark.parametrize("plane", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True)
+@pytest.mark.parametrize(
+    "plane",
+    [
+        pytest.param("sqlite", marks=pytest.mark.extended),  # the other tests here run the API on SQLite
+        pytest.param("postgresql", marks=pytest.mark.postgres),
+    ],
+    indirect=True,
+)
 def test_jobs_queue_run_cancel_and_resume_through_the_api(plane):
     store, start = plane
     api = start()  # 1 CPU: one job (0.5 trainer + 0.5 rollout) at a time

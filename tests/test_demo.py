@@ -119,7 +119,7 @@ def test_demo_learns_under_int4_rollout_with_matching_qat(tmp_path):
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
+@pytest.mark.parametrize("transport", [pytest.param("tensor", marks=pytest.mark.extended), "broadcast"])
 def test_sglang_transports_through_the_loop(tmp_path, transport):
     """Trainer and engine are separate Ray actors: shared memory and a gloo group cross that boundary."""
     pytest.importorskip("sglang", reason="SGLang is not installed")
@@ -149,6 +149,7 @@ def test_sglang_transports_through_the_loop(tmp_path, transport):
     ],
     ids=["megatron-tp2", "torchtitan-fsdp2"],
 )
+@pytest.mark.extended  # the backends in the loop: test_bench.py's trainer bench runs every one each CI
 def test_short_demo_on_other_backends(tmp_path, backend, engine):
     steps = 20
     overrides = [f"train.backend={backend}", f"schedule.num_steps={steps}", "schedule.stop_at_accuracy=null"]
