@@ -11,24 +11,14 @@ from typing import Any
 
 from miles_control.config import JobSpec, RayConfig
 from miles_control.convert import rollout_metrics, staleness_metrics, to_train_batch
-from miles_control.placement import (
-    Plan,
-    engine_gpu_ids,
-    make_plan,
-    rollout_options,
-    trainer_placement,
-    trainer_rank_options,
-)
+from miles_control.placement import engine_gpu_ids, make_plan, rollout_options
 from miles_control.recorder import Recorder
+from miles_control.runtime.trainers import TrainerGroup
 from miles_control.runtime.workers import (
     Evaluated,
-    Published,
     Received,
     RolloutWorker,
     TakenBatch,
-    TrainerWorker,
-    TrainResult,
-    free_port_and_ip,
 )
 
 log = logging.getLogger(__name__)
@@ -74,92 +64,6 @@ def split_cpus() -> dict[str, list[int]]:
         raise ValueError(f"ray.cpu_split needs at least 2 CPU cores; this process may use {cores}")
     half = len(cores) // 2
     return {"trainer": cores[:half], "rollout": cores[half:]}
-
-
-class TrainerGroup:
-    """All ranks of the trainer; each call runs on every rank and returns rank 0's answer."""
-
-    def __init__(
-        self,
-        spec: JobSpec,
-        model_path: Path,
-        weights_dir: Path,
-        num_receivers: int = 1,
-        pin_cpus: list[int] | None = None,
-        pushed_precision: str = "float32",
-        plan: Plan | None = None,
-    ) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        world_size = spec.train.backend.world_size
-        plan = plan or make_plan(spec, ray.cluster_resources())
-        self.placement_group = trainer_placement(plan)
-
-        def on_bundle(index: int) -> PlacementGroupSchedulingStrategy:
-            return PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
-
-        ip, port = ray.get(ray.remote(free_port_and_ip).options(num_cpus=0, scheduling_strategy=on_bundle(0)).remote())
-        actor = ray.remote(TrainerWorker)
-        spec_dict = spec.model_dump(mode="json")
-        self.ranks = [
-            actor.options(**trainer_rank_options(plan, self.placement_group, rank), name=None).remote(
-                spec_dict,
-                str(model_path),
-                rank,
-                world_size,
-                f"tcp://{ip}:{port}",
-                str(weights_dir),
-                num_receivers,
-                pin_cpus,
-                pushed_precision,
-            )
-            for rank in range(world_size)
-        ]
-
-    def node_ids(self) -> list[str]:
-        """The Ray node of each rank, in rank order."""
-        import ray
-
-        return ray.get([rank.node_id.remote() for rank in self.ranks])
-
-    def gpu_ids(self) -> list[str]:
-        """The GPU ids Ray gave the ranks, in rank order (empty on CPU)."""
-        import ray
-
-        return [gpu for ids in ray.get([rank.gpu_ids.remote() for rank in self.ranks]) for gpu in ids]
-
-    def _on_every_rank(self, call: Any) -> Any:
-        """`call(rank)` returns an ObjectRef; all ranks run it (collectives inside), rank 0's answer is returned."""
-        import ray
-
-        return ray.get([call(rank) for rank in self.ranks])[0]
-
-    def train_step(self, batch: Any) -> TrainResult:
-        return self._on_every_rank(lambda rank: rank.train_step.remote(batch))
-
-    def publish_weights(self, weight_version: int) -> Published:
-        return self._on_every_rank(lambda rank: rank.publish_weights.remote(weight_version))
-
-    def wait_published(self) -> None:
-        self._on_every_rank(lambda rank: rank.wait_published.remote())
-
-    def save(self, directory: Path) -> None:
-        self._on_every_rank(lambda rank: rank.save.remote(str(directory)))
-
-    def load(self, directory: Path) -> None:
-        self._on_every_rank(lambda rank: rank.load.remote(str(directory)))
-
-    def shutdown(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        try:
-            ray.get([rank.shutdown.remote() for rank in self.ranks], timeout=30)
-        finally:
-            for rank in self.ranks:
-                ray.kill(rank)
-            remove_placement_group(self.placement_group)
 
 
 class JobRuntime:
