@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from miles_sync.bucketing import cast_for_wire
 from miles_sync.formats import QuantizationError, Quantized, dequantize, quantizable, quantize
 from miles_sync.types import NamedTensor, NamedTensors
 
@@ -62,11 +63,8 @@ def packed_for_push(named_tensors: NamedTensors, fmt: str, dtype: torch.dtype | 
     for name, tensor in named_tensors:
         if quantizable(name, tensor.shape):
             yield from pack(name, tensor, fmt)
-            continue
-        tensor = tensor.detach().to("cpu")
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        yield name, tensor.contiguous()
+        else:
+            yield from cast_for_wire([(name, tensor)], dtype)
 
 
 def unpack(named_tensors: NamedTensors, fmt: str, dtype: torch.dtype = torch.float32) -> Iterator[NamedTensor]:
