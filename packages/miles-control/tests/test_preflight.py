@@ -113,6 +113,19 @@ def test_precision_and_quantization_a_backend_cannot_run_are_refused_at_validati
     assert spec(train={"backend": "megatron", "precision": "fp16", "quantization": "int4"}).train.precision == "fp16"
 
 
+def test_fp16_training_of_a_bf16_checkpoint_is_refused_unless_allowed(llama32_bf16, tmp_path):
+    with pytest.raises(JobCheckError, match="train.precision: fp16 on .*config.json declares dtype bfloat16.*"
+                                            "train.allow_fp16: true"):  # fmt: skip
+        check_job(spec(train={"precision": "fp16"}), llama32_bf16)
+    check_job(spec(train={"precision": "fp16", "allow_fp16": True}), llama32_bf16)
+    check_job(spec(train={"precision": "bf16"}), llama32_bf16)
+    fp32 = tmp_path / "fp32"  # the same model saved in fp32 declares float32: fp16 is the user's call
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(llama32_bf16, dtype=torch.float32).save_pretrained(fp32)
+    check_job(spec(train={"precision": "fp16"}, rollout={"engine": {"type": "hf", "dtype": "float32"}}), fp32)
+
+
 def test_an_unresolvable_reward_is_named(llama32_bf16):
     with pytest.raises(JobCheckError, match="rollout.reward: cannot import module 'nowhere_xyz'"):
         check_job(spec(rollout={"engine": {"type": "hf"}, "reward": "nowhere_xyz:f"}), llama32_bf16)

@@ -3,6 +3,7 @@ field to change rather than minutes later inside a Ray actor:
 
 - the model is one the chosen trainer backend and rollout engine run (a refused config.json field is named);
 - pushes can reach the engines exactly (`sync.dtype` against the dtype the engines hold);
+- fp16 training is not asked of a checkpoint that declares bfloat16 (unless `train.allow_fp16`);
 - the low-precision formats (`sync.quantization`, `train.quantization`) fit the model's linear layers;
 - the reward resolves to a function, and the chat template renders every prompt.
 
@@ -58,6 +59,7 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
         spec.sync.for_engines(engine_dtype(spec.rollout.engine.dtype, model_path))
     except ValueError as exc:
         raise JobCheckError(str(exc)) from None
+    check_precision(spec, model_path)
     check_quantization(spec, hf_config)
     try:
         resolve_reward(spec.rollout.reward)
@@ -72,6 +74,23 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
         encoder = PromptEncoder(tokenizer, spec.data.chat_template, spec.data.system_prompt)
         for record in prompts:  # every prompt renders (a template may refuse some conversations): ~0.1 ms each
             encoder.text(record)
+
+
+def check_precision(spec: JobSpec, model_path: Path) -> None:
+    """fp16 compute on a checkpoint that declares bfloat16 is refused unless `train.allow_fp16`: a model trained in
+    bf16 has never been kept within fp16's range (largest value 65504), and its activations can pass it."""
+    from miles_rollout.engines.checkpoint import checkpoint_dtype
+
+    if spec.train.precision != "fp16" or spec.train.allow_fp16:
+        return
+    declared = checkpoint_dtype(model_path)
+    if declared == "bfloat16":
+        raise JobCheckError(
+            f"train.precision: fp16 on {model_path}, whose config.json declares dtype bfloat16: a model trained in "
+            "bf16 can carry activations past fp16's largest value (65504), which the loss scaler cannot fix; use "
+            "train.precision bf16, or set train.allow_fp16: true to train it in fp16 anyway (overflowing steps are "
+            "skipped and counted in train/overflow_skipped)"
+        )
 
 
 # A format's block along the input dimension (and, for fp8_block, along the output dimension too).

@@ -147,6 +147,12 @@ class TrainConfig(_Strict):
         "Megatron's bf16/fp16 model config and mixed-precision optimizer, torchtitan's mixed_precision_param "
         "(bf16 only: torchtitan offers no fp16).",
     )
+    allow_fp16: bool = Field(
+        False,
+        description="precision fp16 on a checkpoint whose config.json declares bfloat16 is refused before any model "
+        "loads (a model trained in bf16 can carry activations past fp16's largest value, 65504); true trains it in "
+        "fp16 anyway, the overflowing steps skipped and counted in train/overflow_skipped.",
+    )
     quantization: QuantFormat = Field(
         "none",
         description="Fake-quantize the linear layers' weights in the trainer's forward passes (straight-through "
