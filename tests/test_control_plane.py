@@ -226,6 +226,13 @@ def test_jobs_submitted_to_a_ray_cluster(plane, tmp_path):
             driver_python=sys.executable,
             cpus="2",
         )
+        # the cluster's GPUs (none: a head without --num-gpus here) are asked of its dashboard at submission
+        gpu_spec = small_spec("needs-a-gpu", 3) | {"resources": {"trainer_gpus_per_rank": 1}}
+        r = httpx.post(api.server.url + "/api/v1/jobs", headers=api.headers, json={"spec": gpu_spec}, timeout=30)
+        assert r.status_code == 422, r.text
+        [problem] = r.json()["detail"]
+        assert problem["loc"] == ["body", "spec", "resources"]
+        assert f"needs 1 GPU(s) (trainer 1 × 1) but the Ray cluster at {dashboard} has 0" in problem["msg"]
         short = api.call("POST", "/jobs", json={"spec": small_spec("on-ray", 3)})["id"]
         done = api.wait(short, lambda j: j["status"] == "succeeded", what="succeeded on the cluster")
         [attempt] = done["attempts"]

@@ -259,6 +259,36 @@ def test_limits_are_server_settings(monkeypatch):
     assert problem["msg"] == "2 is above this server's limit of 1 (MILES_LIMITS__WORLD_SIZE)"
 
 
+def test_a_plan_needing_more_gpus_than_the_server_has_is_refused_at_submission(monkeypatch):
+    from miles_control.api.policy import check_spec, local_gpus
+    from miles_control.api.settings import ServerSettings
+    from miles_control.config import JobSpec
+
+    def problems(settings: ServerSettings, **fields) -> list[dict]:
+        spec = JobSpec.model_validate({"name": "x", "train": {"backend": {"type": "fsdp2", "world_size": 2}}} | fields)
+        return check_spec(spec, settings)[1]
+
+    two = ServerSettings(cpus=4, gpus=2)
+    assert problems(two, rollout={"engine": {"type": "hf"}}) == []  # auto: a GPU per rank, 2 of 2
+    sglang = {"engine": {"type": "sglang", "num_engines": 2, "device": "cuda"}}
+    [problem] = problems(two, rollout=sglang)  # + 2 engines × 1 GPU
+    assert problem["loc"] == ["body", "spec", "resources"]
+    assert problem["msg"].startswith("resources: the plan needs 4 GPU(s) (trainer 2 × 1 + rollout 2 engine(s) × 1) "
+                                      "but this server (MILES_GPUS) has 2")  # fmt: skip
+    assert problems(ServerSettings(cpus=4, gpus=4), rollout=sglang) == []
+    colocated = {"mode": "colocated"}
+    [problem] = problems(ServerSettings(cpus=4, gpus=0), resources=colocated, rollout=sglang)
+    assert "resources.mode: colocated shares GPUs" in problem["msg"]
+    # without MILES_GPUS a local server counts this machine's GPUs (Ray's view of them): CUDA_VISIBLE_DEVICES
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert local_gpus() == 3
+    hf = {"engine": {"type": "hf"}}
+    [problem] = problems(ServerSettings(cpus=4), resources={"trainer_gpus_per_rank": 2}, rollout=hf)
+    assert "needs 4 GPU(s) (trainer 2 × 2) but this machine has 3" in problem["msg"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert local_gpus() == 0 and problems(ServerSettings(cpus=4)) == []  # no GPU: the CPU-only plan
+
+
 def test_metrics_labels_stay_bounded(api):
     """Random methods and paths cannot grow the number of Prometheus series: unknown methods and unmatched
     paths share one label each."""

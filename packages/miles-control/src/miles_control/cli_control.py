@@ -37,6 +37,9 @@ def serve(
     launcher: Annotated[str | None, typer.Option(help="local | ray_job | off [MILES_LAUNCHER].")] = None,
     ray_address: Annotated[str | None, typer.Option(help="Ray instance or dashboard URL [MILES_RAY_ADDRESS].")] = None,
     cpus: Annotated[float | None, typer.Option(help="CPUs jobs may use at once [MILES_CPUS].")] = None,
+    gpus: Annotated[
+        float | None, typer.Option(help="GPUs jobs may use; default: this machine's or the cluster's [MILES_GPUS].")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the REST API (and the launcher that starts queued jobs). Docs at /docs, spec at /openapi.json."""
@@ -50,7 +53,7 @@ def serve(
 
     given = dict(
         store_url=store, data_dir=data_dir, data_root=data_root, model_root=model_root,
-        launcher=launcher, ray_address=ray_address, cpus=cpus,
+        launcher=launcher, ray_address=ray_address, cpus=cpus, gpus=gpus,
     )  # fmt: skip
     try:
         settings = ServerSettings(**{k: v for k, v in given.items() if v is not None})

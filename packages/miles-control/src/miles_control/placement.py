@@ -64,9 +64,9 @@ class Plan:
         return f"{self.mode}: {trainer}, {rollout} ({self.total_gpus} GPU(s) in all)"
 
 
-def make_plan(spec: JobSpec, cluster: dict[str, float]) -> Plan:
+def make_plan(spec: JobSpec, cluster: dict[str, float], fit: bool = True) -> Plan:
     """The plan of `spec` on a cluster with these total resources (`ray.cluster_resources()`); raises PlanError
-    naming what does not fit."""
+    naming what does not fit (with `fit=False`, only a mode the cluster cannot run: the caller checks the rest)."""
     res, engine = spec.resources, spec.rollout.engine
     has_gpus = cluster.get("GPU", 0) > 0
     world = spec.train.backend.world_size
@@ -97,21 +97,26 @@ def make_plan(spec: JobSpec, cluster: dict[str, float]) -> Plan:
             f"(cluster GPUs: {cluster.get('GPU', 0):g}, trainer GPUs per rank: {trainer_gpus}, GPUs per engine: "
             f"{per_engine}); use resources.mode: disaggregated"
         )
-    check_fits(plan, cluster)
+    if fit:
+        check_fits(plan, cluster)
     return plan
 
 
-def check_fits(plan: Plan, cluster: dict[str, float]) -> None:
-    """Refuse a plan whose totals exceed the cluster's: GPUs, CPUs and every custom resource it names."""
-    gpus = cluster.get("GPU", 0)
+def check_gpus(plan: Plan, gpus: float, where: str = "the cluster") -> None:
+    """Refuse a plan that needs more GPUs than `where` has."""
     if plan.total_gpus > gpus:
         parts = f"trainer {plan.world_size} × {plan.trainer_gpus}"
         if plan.rollout_gpus:
             parts += f" + rollout {plan.num_engines} engine(s) × {plan.gpus_per_engine}"
         raise PlanError(
-            f"resources: the plan needs {plan.total_gpus} GPU(s) ({parts}) but the cluster has {gpus:g}; lower "
+            f"resources: the plan needs {plan.total_gpus} GPU(s) ({parts}) but {where} has {gpus:g}; lower "
             "train.backend.world_size, rollout.engine.num_engines or the resources.* GPU counts"
         )
+
+
+def check_fits(plan: Plan, cluster: dict[str, float]) -> None:
+    """Refuse a plan whose totals exceed the cluster's: GPUs, CPUs and every custom resource it names."""
+    check_gpus(plan, cluster.get("GPU", 0))
     cpus = plan.world_size * plan.trainer_cpus + plan.rollout_cpus
     if cpus > cluster.get("CPU", 0):
         raise PlanError(

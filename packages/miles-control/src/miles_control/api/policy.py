@@ -6,6 +6,8 @@ output under the server's runs folder. The store and the Ray cluster belong to t
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from miles_control.api.settings import JobLimits, ServerSettings
 from miles_control.config import JobSpec
 
 Problem = dict[str, Any]
+log = logging.getLogger(__name__)
 
 
 def _problem(loc: tuple[str, ...], msg: str) -> Problem:
@@ -131,8 +134,53 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
         problems.append(
             _problem(("ray",), f"the job reserves {demand:g} CPUs; this server runs jobs on {settings.cpus:g}")
         )
+    problems.extend(_check_gpus(spec, settings))
     data.pop("store", None)
     return JobSpec.model_validate(data), problems
+
+
+def local_gpus() -> int:
+    """The GPUs a Ray node started on this machine would detect: CUDA_VISIBLE_DEVICES when set, else the NVIDIA
+    driver's list of devices (none on a machine without the driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    devices = Path("/proc/driver/nvidia/gpus")
+    return len(list(devices.iterdir())) if devices.is_dir() else 0
+
+
+def cluster_gpus(settings: ServerSettings) -> tuple[float, str] | None:
+    """(GPUs jobs of this server may use, where they are), or None when they cannot be known now."""
+    if settings.gpus is not None:
+        return settings.gpus, "this server (MILES_GPUS)"
+    if settings.launcher == "ray_job" and settings.ray_address:
+        try:
+            from ray.util.state import list_nodes
+
+            nodes = list_nodes(address=settings.ray_address, filters=[("state", "=", "ALIVE")], timeout=10)
+        except Exception as exc:  # the launcher reports an unreachable cluster; the job checks at its start
+            log.warning("GPUs of %s not known at submission: %s", settings.ray_address, exc)
+            return None
+        return sum(n.resources_total.get("GPU", 0) for n in nodes), f"the Ray cluster at {settings.ray_address}"
+    if settings.launcher == "local" and not settings.ray_address:
+        return float(local_gpus()), "this machine"
+    return None
+
+
+def _check_gpus(spec: JobSpec, settings: ServerSettings) -> list[Problem]:
+    """The job's resource plan against the GPUs it would run on (CPUs are the queue's; custom resources and
+    labels are checked when the job starts, against the cluster it then finds)."""
+    from miles_control.placement import check_gpus, make_plan
+
+    known = cluster_gpus(settings)
+    if known is None:
+        return []
+    gpus, where = known
+    try:
+        check_gpus(make_plan(spec, {"GPU": gpus, "CPU": settings.cpus}, fit=False), gpus, where)
+    except ValueError as exc:  # PlanError, or a server flag the plan cannot read (the spec checks them too)
+        return [_problem(("resources",), str(exc))]
+    return []
 
 
 def _check_reward(reward: str, settings: ServerSettings) -> list[Problem]:

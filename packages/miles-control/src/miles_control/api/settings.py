@@ -69,6 +69,14 @@ class ServerSettings(BaseSettings):
         gt=0,
         description="CPUs jobs may use at once; a job waits in the queue until its share is free.",
     )
+    gpus: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs jobs may use; a job whose resource plan needs more is refused at submission. None: the "
+        "GPUs of this machine (launcher local: CUDA_VISIBLE_DEVICES, else the NVIDIA driver's list) or of the "
+        "cluster's alive nodes (launcher ray_job: asked of its dashboard at each submission; not checked when it "
+        "does not answer, the job then checks at its start).",
+    )
     token_cache_s: float = Field(
         5.0, ge=0, description="How long a checked token is trusted without a query; a revoke applies within it."
     )
