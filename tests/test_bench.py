@@ -1,5 +1,6 @@
 """The benchmarks run (shortened) and report every row; their speed goals are read, not asserted."""
 
+import math
 import re
 import subprocess
 import sys
@@ -44,6 +45,35 @@ def test_weight_update_bench_covers_every_transport(tmp_path):
         latency, publish, memcpy, ratio = (float(row[i].replace(",", "")) for i in (3, 4, 6, 7))
         assert latency > 0 and memcpy > 0 and 0 <= publish <= latency, row
         assert ratio == pytest.approx(latency / memcpy, rel=0.02), row  # the ratio is of the numbers shown
+
+
+def test_weights_bench_fits_every_transport_and_projects_by_its_formula(tmp_path):
+    """`miles bench weights --quick`: measured points, a cost fit per transport, a projection that is the fit put
+    through the report's formula, and the published figure beside it as a claim."""
+    out = tmp_path / "bench"
+    args = [sys.executable, "-m", "miles_control.cli", "bench", "weights", "--quick", "--out", str(out)]
+    args += ["--params", "1e10", "--senders", "4", "--engines", "2", "--link-gb-s", "10", "--bucket-mb", "256"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = (out / "report.md").read_text()
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in report.splitlines() if line.startswith("| ")]
+    measured = [r for r in rows if len(r) == 5 and r[0] in ("disk", "tensor", "broadcast")]
+    assert len(measured) == 12 and all(float(r[4].replace(",", "")) > 0 for r in measured), report  # 3 × 2 × 2
+    fits = {r[0]: r for r in rows if len(r) == 8 and r[0] in ("disk", "tensor", "broadcast")}
+    projections = {r[0]: r for r in rows if len(r) == 6 and r[0] in ("disk", "tensor", "broadcast")}
+    assert set(fits) == set(projections) == {"disk", "tensor", "broadcast"}, report
+    for name, f in fits.items():
+        t0, t_bucket, t_gb = float(f[1].replace(",", "")) / 1e3, float(f[2].replace(",", "")) / 1e3, float(f[3])
+        assert t_gb > 0, f  # moving bytes costs something on every transport
+        p = projections[name]
+        per_sender, buckets = 2e10 / 4, math.ceil(2e10 / 4 / (256 << 20))
+        link = (1 if name == "broadcast" else 2) / 10e9
+        expected = t0 + buckets * t_bucket + per_sender * max(t_gb / 1e9, link)
+        assert int(p[2].replace(",", "")) == buckets
+        assert float(p[1].replace(",", "")) == pytest.approx(expected, rel=0.02), (p, f)
+        assert p[5] == ("link" if link > t_gb / 1e9 else "this machine")
+    assert "a point-to-point transport Miles does not have yet" in report  # --senders 4 is a projection
+    assert "1 T parameters in 7.2 s (Miles' published figure; a claim, not measured here)" in report
 
 
 def test_trainer_bench_reports_every_backend_against_the_plain_loop(tmp_path):

@@ -257,6 +257,45 @@ def bench_precision(
     console.print(f"report: {out / 'report.md'}")
 
 
+@bench_app.command("weights")
+def bench_weights(
+    out: Annotated[Path, typer.Option(help="Folder for report.md.")] = Path("bench-weights"),
+    quick: Annotated[bool, typer.Option(help="4 and 16 MB with 1 and 4 MB buckets, 2 pushes each (CI).")] = False,
+    transports: Annotated[
+        str, typer.Option(help="Comma-separated: disk, tensor, broadcast.")
+    ] = "disk,tensor,broadcast",
+    params: Annotated[float, typer.Option(min=1, help="Projection: number of parameters.")] = 1e12,
+    bytes_per_param: Annotated[float, typer.Option(min=0.25, help="Projection: bytes each (2: bf16).")] = 2.0,
+    senders: Annotated[int, typer.Option(min=1, help="Projection: ranks sending at once (today's transports: 1).")] = 1,
+    engines: Annotated[int, typer.Option(min=1, help="Projection: engines receiving.")] = 8,
+    link_gb_s: Annotated[float, typer.Option(min=0.001, help="Projection: GB/s of each sender's link.")] = 50.0,
+    bucket_mb: Annotated[int, typer.Option(min=1, help="Projection: bucket size in MiB.")] = 1024,
+) -> None:
+    """Measure each transport's fixed, per-bucket and per-byte cost here; project an update's time at scale."""
+    import platform
+
+    from miles_control.bench_weights import TRANSPORTS, Scale, fit, measure, memcpy_seconds_per_byte, report
+
+    names = [t.strip() for t in transports.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TRANSPORTS]
+    if unknown or not names:
+        console.print(f"[bold red]error:[/] --transports: {unknown or names} not in {', '.join(TRANSPORTS)}")
+        raise typer.Exit(2)
+    sizes, buckets, repeats = ((4, 16), (1, 4), 2) if quick else ((16, 64, 256), (4, 64), 3)
+    scale = Scale(params, bytes_per_param, senders, engines, link_gb_s, bucket_mb << 20)
+
+    def on_point(p) -> None:
+        console.print(f"{p.transport}: {p.num_bytes >> 20} MB in {p.num_buckets} bucket(s): {p.seconds * 1000:.1f} ms")
+
+    points = measure(sizes, buckets, names, repeats, on_point)
+    text = report(points, fit(points), memcpy_seconds_per_byte(64 << 20), scale,
+                  f"{platform.machine()}, {os.cpu_count()} CPU cores")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(text)
+    console.print(text, markup=False, highlight=False)
+    console.print(f"report: {out / 'report.md'}")
+
+
 def print_summary(store, job_id: int) -> None:
     from miles_control.summary import summarize
 
