@@ -193,3 +193,41 @@ def test_every_transport_loads_and_passes_the_equality_check(engine, tiny_model_
         assert all(r.weight_versions == [8] for r in out)  # the engine serves the new version
     finally:
         sender.close()
+
+
+@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
+def test_a_delta_push_sends_only_what_changed_and_the_engine_holds_the_whole_version(engine, tiny_model_dir, transport):
+    """sync.delta: after a step that froze half the tensors, only the other half travels (bytes counted), and the
+    engine's fingerprint (SGLang: verified against every server's checksums) is that of the whole new version."""
+    weights = new_weights(tiny_model_dir)
+    extra = {"timeout_s": 60} if transport == "broadcast" else {}
+    config = sync_config(transport=transport, bucket_bytes=8192, delta=True, **extra)
+    sender = build_sender(config, num_receivers=engine.broadcast_ranks)
+    try:
+        first = sender.publish(weights, weight_version=1)
+        assert first.base_version is None and first.num_tensors == len(weights)  # a sender's first push is whole
+        assert engine.receive(first) == first.fingerprint
+        sender.wait()
+        moving = {name for name, _ in weights[::2]}
+        moved = [(n, t + 0.01 if n in moving else t) for n, t in weights]
+        second = sender.publish(moved, weight_version=2)
+        assert second.base_version == 1 and second.num_tensors == len(moving)
+        assert second.unchanged_tensors == len(weights) - len(moving)
+        assert second.num_bytes == sum(t.numel() * t.element_size() for n, t in moved if n in moving)
+        assert engine.receive(second) == second.fingerprint == weight_fingerprint(moved)
+        sender.wait()
+        assert engine.weight_version == 2 and engine.weight_fingerprint() == weight_fingerprint(moved)
+        out = asyncio.run(engine.generate(requests(2, SamplingParams(max_new_tokens=3))))
+        assert all(r.weight_versions == [2] for r in out)
+        if transport == "tensor":  # a delta on a version the engine does not hold is refused, nothing loaded
+            stale = build_sender(config)
+            try:
+                stale.publish(weights, weight_version=5)
+                bad = stale.publish(moved, weight_version=6)
+                with pytest.raises(ValueError, match="delta on version 5 but the engine holds version 2"):
+                    engine.receive(bad)
+            finally:
+                stale.close()
+            assert engine.weight_version == 2 and engine.weight_fingerprint() == weight_fingerprint(moved)
+    finally:
+        sender.close()

@@ -260,3 +260,29 @@ def test_a_run_places_only_what_the_transport_leaves_to_it(tmp_path):
     assert DiskSync().placed(str(tmp_path)).dir == str(tmp_path)
     assert DiskSync(dir="/data/w").placed(str(tmp_path)).dir == "/data/w"  # a shared path the user chose stays
     assert sync_config(transport="tensor").placed(str(tmp_path)) == sync_config(transport="tensor")
+
+
+def test_delta_pushes_send_what_changed_and_fingerprint_the_whole_version():
+    weights = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(6)]
+    sender = build_sender(sync_config(transport="inproc", delta=True, bucket_bytes=64))
+    whole = sender.publish(weights, weight_version=1)
+    assert whole.base_version is None and whole.num_tensors == 6 and whole.unchanged_tensors == 0
+    same = sender.publish(weights, weight_version=2)  # nothing moved: one tensor still carries the version
+    assert same.base_version == 1 and same.num_tensors == 1 and same.unchanged_tensors == 5
+    assert same.fingerprint == whole.fingerprint == weight_fingerprint(weights)
+    moved = [(n, t + 1 if n in ("w1", "w4") else t) for n, t in weights]
+    delta = sender.publish(moved, weight_version=3)
+    assert delta.base_version == 2 and delta.num_bytes == 2 * 16 * 4
+    assert sorted(n for b in read_buckets(delta) for n, _ in b) == ["w1", "w4"]
+    assert delta.fingerprint == weight_fingerprint(moved)
+    sender.forget_base()  # e.g. the engines were replaced: the next push is whole again
+    assert sender.publish(moved, weight_version=4).num_tensors == 6
+    # a change below the wire dtype's resolution rounds away: the tensor is unchanged for the engines
+    bf16 = build_sender(sync_config(transport="inproc", delta=True, dtype="bfloat16"))
+    bf16.publish(weights, weight_version=1)
+    tiny = [(n, t + 1e-4 if n == "w3" else t) for n, t in weights]
+    assert bf16.publish(tiny, weight_version=2).unchanged_tensors == 5  # w3 = 3.0001 is 3.0 in bf16; w0 carries
+    with pytest.raises(ValueError, match="sync.delta needs sync.transport: tensor, broadcast or inproc"):
+        sync_config(transport="disk", delta=True)
+    with pytest.raises(ValueError, match="sync.delta with sync.quant_wire: packed"):
+        sync_config(transport="tensor", delta=True, quantization="fp8_block", quant_wire="packed")

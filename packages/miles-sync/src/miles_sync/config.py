@@ -57,9 +57,27 @@ class SyncBase(BaseModel):
         "scales, loaded by an engine that runs real low-precision kernels on them: SGLang on a GPU, "
         "quantization: fp8_block, transport: tensor (miles_sync.formats.packed says why only those).",
     )
+    delta: bool = Field(
+        False,
+        description="Send only the tensors that changed since the previous push (compared in the wire dtype, by "
+        "their fingerprint digests), a frozen layer or an embedding that did not move staying where it is; the "
+        "first push of a sender is whole. The engines must hold the previous version (refused otherwise) and "
+        "their fingerprint is still of the whole model. Transports tensor, broadcast and inproc: SGLang loads a "
+        "disk version as a whole checkpoint.",
+    )
 
     @model_validator(mode="after")
     def _packed_needs(self) -> Self:
+        if self.delta and self.transport == "disk":
+            raise ValueError(
+                "sync.delta needs sync.transport: tensor, broadcast or inproc (got 'disk'): an SGLang server loads a "
+                "disk version as a whole checkpoint, so it cannot take part of one"
+            )
+        if self.delta and self.quant_wire == "packed":
+            raise ValueError(
+                "sync.delta with sync.quant_wire: packed is not supported: an fp8 weight and its scales must travel "
+                "together, and a delta may change one without the other; use quant_wire: values or delta: false"
+            )
         if self.quant_wire == "packed":
             if self.quantization != "fp8_block":
                 raise ValueError(

@@ -24,14 +24,20 @@ class Fingerprinter:
     def __init__(self) -> None:
         self._digests: dict[str, bytes] = {}
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor) -> bytes:
+        """Hash one tensor under its name; returns its digest (what a delta push compares)."""
         t = tensor.detach().to("cpu").contiguous().reshape(-1)  # no copy for a contiguous CPU tensor
         h = xxhash.xxh3_128()
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(tensor.shape)).encode())
         h.update(memoryview(t.view(torch.uint8).numpy()))
-        self._digests[name] = h.digest()
+        self._digests[name] = digest = h.digest()
+        return digest
+
+    @property
+    def digests(self) -> dict[str, bytes]:
+        return dict(self._digests)
 
     def hexdigest(self) -> str:
         h = xxhash.xxh3_128()

@@ -34,6 +34,11 @@ class WeightHandle:
     packed: str | None = None
     """The format whose packed bytes and scales the quantized weights travel in (`sync.quant_wire: packed`); None:
     every tensor is plain values. A receiver must hold that packed layout (miles_sync.formats.packed)."""
+    base_version: int | None = None
+    """A delta push (`sync.delta`): the version it changes. Only the tensors that differ from it travel
+    (`num_tensors` and `num_bytes` count them, `unchanged_tensors` the others); `fingerprint` is of the whole new
+    version. None: every tensor travels."""
+    unchanged_tensors: int = 0
     location: str | None = None  # disk: the folder holding the buckets
     buckets: list[list[NamedTensor]] | None = field(default=None, repr=False)  # inproc: the tensors
     payloads: list[str] | None = field(default=None, repr=False)  # tensor: serialized shared-memory buckets

@@ -289,6 +289,7 @@ class JobRuntime:
             engine_fingerprint=engine_fp,
             export_s=published.end - start,
             num_buckets=handle.num_buckets,
+            base_version=handle.base_version,
             pause_mode=pause_mode,
         )
         if self.spec.sync.check_weights and not match:
@@ -299,6 +300,8 @@ class JobRuntime:
         return {
             "sync/latency_s": end - start,
             "sync/bytes": float(handle.num_bytes),
+            "sync/tensors": float(handle.num_tensors),
+            "sync/unchanged_tensors": float(handle.unchanged_tensors),  # sync.delta: tensors not sent
             "sync/weight_version": float(version),
             "sync/weights_match": float(match),
         }

@@ -34,6 +34,20 @@ def check_names(engine: str, weight_version: int, published: set[str], expected:
         raise ValueError(f"{engine} engine: weight version {weight_version} has unknown weights {unknown[:3]}{hint}")
 
 
+def check_push(engine: str, handle, published: set[str], expected: set[str], held_version: int) -> None:
+    """`check_names` for a push: a whole version must name every parameter; a delta push (`handle.base_version`)
+    only known ones, and the engine must hold the version it changes."""
+    if handle.base_version is None:
+        check_names(engine, handle.weight_version, published, expected)
+        return
+    if handle.base_version != held_version:
+        raise ValueError(
+            f"{engine} engine: weight version {handle.weight_version} is a delta on version {handle.base_version} "
+            f"but the engine holds version {held_version}: it needs a whole push (the sender's forget_base())"
+        )
+    check_names(engine, handle.weight_version, published, published & expected)  # unknown names only
+
+
 def held_fingerprint(named_tensors: Iterable, held: str, wire: str | None) -> str:
     """The fingerprint of `named_tensors` as an engine holding dtype `held` keeps them, taken in the push's wire
     dtype when there is one (a wider engine keeps what it was sent exactly: cast back, it equals the sender's)."""

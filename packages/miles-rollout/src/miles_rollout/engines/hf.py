@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from miles_rollout.config import HFEngineConfig, PauseMode
 from miles_rollout.engines.checkpoint import engine_dtype
-from miles_rollout.engines.checks import check_names, group_by_sampling, held_fingerprint
+from miles_rollout.engines.checks import check_push, group_by_sampling, held_fingerprint
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from miles_sync import WeightHandle, read_buckets
 
@@ -190,7 +190,7 @@ class HFEngine:
         params = dict(self.model.named_parameters())
         # Read everything before touching the model, so a bad version is refused whole.
         tensors = dict(pair for bucket in read_buckets(handle) for pair in bucket)
-        check_names(self.name, handle.weight_version, set(tensors), set(params))
+        check_push(self.name, handle, set(tensors), set(params), self._weight_version)
         with self._weights_lock, torch.no_grad():
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)

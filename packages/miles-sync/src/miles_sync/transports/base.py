@@ -16,10 +16,32 @@ class BucketedSender:
     def __init__(self, config: SyncBase) -> None:
         self.config = config
         self._dtype = wire_dtype(config.dtype)
+        self._last: tuple[int, dict[str, bytes]] | None = None  # delta: the last version published, its digests
 
     def publish(self, named_tensors: NamedTensors, weight_version: int) -> WeightHandle:
         fp = Fingerprinter()
         num_tensors = num_bytes = num_buckets = 0
+        base = self._last if self.config.delta else None
+        unchanged = 0
+
+        def changed(stream: NamedTensors) -> NamedTensors:
+            """Every tensor is hashed; with a base version, only those whose digest differs go on (at least one,
+            so that every push carries its version to the engines)."""
+            nonlocal unchanged
+            held_back: NamedTensor | None = None
+            sent = 0
+            for name, tensor in stream:
+                digest = fp.add(name, tensor)
+                if base is not None and base[1].get(name) == digest:
+                    unchanged += 1
+                    held_back = (name, tensor)
+                    continue
+                sent += 1
+                yield name, tensor
+            if sent == 0 and held_back is not None:
+                unchanged -= 1
+                yield held_back
+
         self._begin(weight_version)
         if self.config.quant_wire == "packed":  # fp8 values and fp32 scales travel as they are; the rest is cast
             from miles_sync.formats.packed import packed_for_push
@@ -33,16 +55,15 @@ class BucketedSender:
                     named_tensors, self.config.quantization, self.config.quant_group_size
                 )
             stream = cast_for_wire(named_tensors, self._dtype)
-        for index, bucket in enumerate(iter_buckets(stream, self.config.bucket_bytes)):
-            for name, tensor in bucket:
-                fp.add(name, tensor)
+        for index, bucket in enumerate(iter_buckets(changed(stream), self.config.bucket_bytes)):
+            for _, tensor in bucket:
                 num_tensors += 1
                 num_bytes += tensor.numel() * tensor.element_size()
             self._put_bucket(index, bucket)
             num_buckets += 1
         if num_tensors == 0:
             raise ValueError("publish() got no tensors: refusing to publish an empty weight version")
-        return self._finish(
+        handle = self._finish(
             WeightHandle(
                 transport=self.name,
                 weight_version=weight_version,
@@ -52,8 +73,17 @@ class BucketedSender:
                 fingerprint=fp.hexdigest(),
                 dtype=None if self._dtype is None else self.config.dtype,
                 packed=self.config.quantization if self.config.quant_wire == "packed" else None,
+                base_version=None if base is None else base[0],
+                unchanged_tensors=unchanged,
             )
         )
+        if self.config.delta:
+            self._last = (weight_version, fp.digests)
+        return handle
+
+    def forget_base(self) -> None:
+        """The next push is whole (`sync.delta`): the engines may no longer hold the last version."""
+        self._last = None
 
     def wait(self) -> None:
         """Block until the last published version has reached the receivers and raise the transport's error if

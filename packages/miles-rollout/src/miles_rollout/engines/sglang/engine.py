@@ -186,7 +186,7 @@ class SGLangEngine:
     def receive(self, handle: WeightHandle) -> str:
         """Load a pushed version into every admitted server, then verify each (with `verify_weights`)."""
         with self._busy:
-            self._weights.load(handle)
+            self._weights.load(handle, self._weight_version)
             self._weight_version = handle.weight_version
             if self._server_check:
                 for slot in [s for s in self.slots if s.admitted]:

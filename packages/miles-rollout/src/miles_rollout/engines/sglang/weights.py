@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from miles_rollout.engines.checks import check_names, held_fingerprint
+from miles_rollout.engines.checks import check_push, held_fingerprint
 from miles_rollout.engines.sglang.calls import ServerCalls, on_admitted, tp_size
 from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.pause import PauseControl
@@ -58,6 +58,7 @@ class WeightLoader:
         self.pause: PauseControl | None = None
         self.dtype_name = dtype_name
         self.wire_dtype: str | None = None  # of the last push: the dtype the fingerprint names
+        self.held_version = 0  # what the servers hold before a load (a delta push must be based on it)
         self.set_current(initial)
 
     def attach(self, router: Router, pause: PauseControl) -> None:
@@ -89,6 +90,7 @@ class WeightLoader:
         return self._expected
 
     def _accept(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
+        """Take `tensors` (all of a version, or a delta push's changed ones) as the current version."""
         if handle.packed != self.packed:
             held = f"packed {self.packed} weights" if self.packed else "plain-value weights"
             sent = f"packed {handle.packed} weights" if handle.packed else "plain-value weights"
@@ -96,7 +98,10 @@ class WeightLoader:
                 f"{self.name} engine: weight version {handle.weight_version} carries {sent} but the servers hold "
                 f"{held}: sync.quant_wire must be the same for the engine and every push"
             )
-        check_names(self.name, handle.weight_version, {name for name, _ in tensors}, self.names)
+        check_push(self.name, handle, {name for name, _ in tensors}, self.names, self.held_version)
+        if handle.base_version is not None:  # the rest of the version is what the servers already hold
+            changed = dict(tensors)
+            tensors = [(name, changed.get(name, tensor)) for name, tensor in self.current]
         self.wire_dtype = handle.dtype
         self.set_current(tensors)
 
@@ -116,8 +121,10 @@ class WeightLoader:
 
     # ---- loading a pushed version ---------------------------------------------------------------
 
-    def load(self, handle: WeightHandle) -> None:
-        """Load the pushed version into every admitted server (quarantining those the transport fails)."""
+    def load(self, handle: WeightHandle, held_version: int) -> None:
+        """Load the pushed version into every admitted server (quarantining those the transport fails); the
+        servers hold `held_version` now (a delta push must be based on it)."""
+        self.held_version = held_version
         loaders = {"disk": self._load_disk, "tensor": self._load_tensor, "broadcast": self._load_broadcast}
         if handle.transport not in loaders:
             raise ValueError(
@@ -193,7 +200,8 @@ class WeightLoader:
 
         group, layout = handle.group, handle.layout
         assert group is not None and layout is not None
-        check_names(self.name, handle.weight_version, {n for bucket in layout for n, _, _ in bucket}, self.names)
+        published = {n for bucket in layout for n, _, _ in bucket}
+        check_push(self.name, handle, published, self.names, self.held_version)
         offsets, next_rank = {}, 2
         for slot in self.slots:
             offsets[slot.index] = next_rank
