@@ -286,3 +286,17 @@ def test_delta_pushes_send_what_changed_and_fingerprint_the_whole_version():
         sync_config(transport="disk", delta=True)
     with pytest.raises(ValueError, match="sync.delta with sync.quant_wire: packed"):
         sync_config(transport="tensor", delta=True, quantization="fp8_block", quant_wire="packed")
+
+
+def test_disk_writes_views_and_shared_storages_and_copies_only_those(tmp_path):
+    from miles_sync.transports.disk import _writable
+
+    base = torch.randn(6, 4)
+    bucket = [("a", base), ("b", base[2:4]), ("t", torch.randn(3, 5).T), ("c", torch.randn(4))]
+    written = _writable(bucket)
+    assert written["a"].data_ptr() == base.data_ptr() and written["c"].data_ptr() == bucket[3][1].data_ptr()
+    assert written["b"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()  # a second view: copied
+    assert written["t"].is_contiguous()
+    sender = build_sender(DiskSync(dir=str(tmp_path)))
+    handle = sender.publish(bucket, weight_version=1)
+    assert {n: t.tolist() for n, t in read_all(handle).items()} == {n: t.tolist() for n, t in bucket}

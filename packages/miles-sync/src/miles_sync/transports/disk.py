@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from miles_sync.config import DiskSync
@@ -47,8 +48,7 @@ class DiskSender(BucketedSender):
 
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
         file_name = f"bucket-{index:05d}.safetensors"
-        # safetensors wants one owner per storage: clone views that share memory.
-        save_file({name: tensor.clone() for name, tensor in bucket}, str(self._staging / file_name))
+        save_file(_writable(bucket), str(self._staging / file_name))
         self._files.append({"file": file_name, "names": [name for name, _ in bucket]})
 
     def _finish(self, handle: WeightHandle) -> WeightHandle:
@@ -72,6 +72,24 @@ class DiskSender(BucketedSender):
     def close(self) -> None:
         if self._owns_root:
             shutil.rmtree(self._root, ignore_errors=True)
+
+
+def _writable(bucket: list[NamedTensor]) -> dict[str, torch.Tensor]:
+    """The bucket as safetensors writes it: contiguous tensors, one per storage. Only the tensors that are not
+    get a copy (a non-contiguous view, a second view of a storage already in the bucket); the others are written
+    from where they are, so a byte is copied once, into the file."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in bucket:
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in seen:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        elif not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        seen.add(storage)
+        out[name] = tensor
+    return out
 
 
 def read_disk(handle: WeightHandle) -> Iterator[list[NamedTensor]]:
