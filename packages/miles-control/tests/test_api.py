@@ -285,6 +285,9 @@ def test_a_plan_needing_more_gpus_than_the_server_has_is_refused_at_submission(m
     hf = {"engine": {"type": "hf"}}
     [problem] = problems(ServerSettings(cpus=4), resources={"trainer_gpus_per_rank": 2}, rollout=hf)
     assert "needs 4 GPU(s) (trainer 2 × 2) but this machine has 3" in problem["msg"]
+    for visible, count in (("0,-1,1", 1), ("NoDevFiles", 0), ("GPU-3b2f,GPU-77aa", 2)):  # CUDA stops at "-1"
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert local_gpus() == count, visible
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert local_gpus() == 0 and problems(ServerSettings(cpus=4)) == []  # no GPU: the CPU-only plan
 

@@ -68,6 +68,8 @@ def test_the_spec_refuses_resources_that_cannot_work():
         spec(resources={"mode": "colocated"}, sync={"transport": "broadcast"})
     with pytest.raises(ValidationError, match="colocated does not work with schedule.type: one_step_off"):
         spec(**colocated, schedule={"type": "one_step_off"})
+    with pytest.raises(ValidationError, match="colocated does not work with sync.delta: True: the engines release"):
+        spec(resources={"mode": "colocated"}, sync={"transport": "tensor", "delta": True})
     with pytest.raises(ValidationError, match=r"1 engine\(s\) × 1 GPU\(s\) must equal train.backend.world_size \(2"):
         spec(world=2, engines=1, **colocated)
     with pytest.raises(ValidationError, match="colocated does not work with rollout.engine.type: hf"):

@@ -98,10 +98,10 @@ def _push(transport: str, weights, bucket_bytes: int, folder: Path) -> tuple[flo
         start = time.perf_counter()
         handle = sender.publish(weights, weight_version=1)
         if transport == "broadcast":  # the receiving rank takes the buckets while the sender's thread sends them
-            thread = threading.Thread(target=lambda: received.extend(read_buckets(handle)))
+            thread = threading.Thread(target=lambda: received.extend(read_buckets(handle)), daemon=True)
             thread.start()
             sender.wait()
-            thread.join()
+            thread.join(60)
         else:
             received.extend(read_buckets(handle))
         seconds = time.perf_counter() - start

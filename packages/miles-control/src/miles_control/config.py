@@ -274,6 +274,8 @@ def resources_fit_the_job(spec: JobSpec) -> None:
          "broadcast would put two NCCL ranks on one GPU; use tensor (CUDA IPC on the same device) or disk"),
         ("resources.trainer_gpus_per_rank", res.trainer_gpus_per_rank, res.trainer_gpus_per_rank in (1, "auto"),
          "each rank holds one GPU, which the engines share"),
+        ("sync.delta", spec.sync.delta, not spec.sync.delta,
+         "the engines release their weights' memory while the trainer steps, so every push must refill all of it"),
     ]  # fmt: skip
     for name, value, ok, why in checks:
         if not ok:

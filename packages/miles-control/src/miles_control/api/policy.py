@@ -143,8 +143,13 @@ def local_gpus() -> int:
     """The GPUs a Ray node started on this machine would detect: CUDA_VISIBLE_DEVICES when set, else the NVIDIA
     driver's list of devices (none on a machine without the driver)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if visible is not None:  # CUDA stops at the first entry that names no device ("-1", "NoDevFiles", "")
+        count = 0
+        for entry in (d.strip() for d in visible.split(",")):
+            if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+                break
+            count += 1
+        return count
     devices = Path("/proc/driver/nvidia/gpus")
     return len(list(devices.iterdir())) if devices.is_dir() else 0
 
@@ -157,7 +162,7 @@ def cluster_gpus(settings: ServerSettings) -> tuple[float, str] | None:
         try:
             from ray.util.state import list_nodes
 
-            nodes = list_nodes(address=settings.ray_address, filters=[("state", "=", "ALIVE")], timeout=10)
+            nodes = list_nodes(address=settings.ray_address, filters=[("state", "=", "ALIVE")], limit=10_000, timeout=3)
         except Exception as exc:  # the launcher reports an unreachable cluster; the job checks at its start
             log.warning("GPUs of %s not known at submission: %s", settings.ray_address, exc)
             return None

@@ -40,6 +40,12 @@ def check_push(engine: str, handle, published: set[str], expected: set[str], hel
     if handle.base_version is None:
         check_names(engine, handle.weight_version, published, expected)
         return
+    if held_version < 0:
+        raise ValueError(
+            f"{engine} engine: weight version {handle.weight_version} is a delta on version {handle.base_version}, "
+            "but the engine's last load failed and its servers may hold part of it: it needs a whole push (the "
+            "sender's forget_base())"
+        )
     if handle.base_version != held_version:
         raise ValueError(
             f"{engine} engine: weight version {handle.weight_version} is a delta on version {handle.base_version} "

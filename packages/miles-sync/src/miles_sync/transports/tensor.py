@@ -67,7 +67,7 @@ class TensorSender(BucketedSender):
 
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
         # A private copy in shared memory: the published version stays immutable while training goes on.
-        shared = [(name, tensor.clone().share_memory_()) for name, tensor in bucket]
+        shared = [(name, into_shared(tensor)) for name, tensor in bucket]
         self._buckets.append(shared)
         self._payloads.append(serialize_bucket(shared))
 
@@ -81,6 +81,14 @@ class TensorSender(BucketedSender):
     def close(self) -> None:
         while self._alive:
             _release(*self._alive.pop(0))
+
+
+def into_shared(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in shared memory, made with one copy of its bytes: the shared storage is allocated empty
+    and filled (`clone().share_memory_()` copies twice, into private memory and then into shared memory)."""
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format).share_memory_()
+    out.copy_(tensor)
+    return out
 
 
 def shm_file(tensor: torch.Tensor) -> str | None:

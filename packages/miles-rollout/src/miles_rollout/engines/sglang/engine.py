@@ -68,6 +68,7 @@ class SGLangEngine:
         self.param_dtype = getattr(torch, self._dtype_name)
         self._tied = tied_embeddings(model_path)
         self._weight_version = 0
+        self._delta_base = 0  # the version a delta push may change: -1 after a failed load
         self._calls = ServerCalls(config.request_timeout_s)
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="miles-sglang-"))
         # Packed weights are checked in transit (the fingerprint of what the servers received), not on the
@@ -186,8 +187,13 @@ class SGLangEngine:
     def receive(self, handle: WeightHandle) -> str:
         """Load a pushed version into every admitted server, then verify each (with `verify_weights`)."""
         with self._busy:
-            self._weights.load(handle, self._weight_version)
-            self._weight_version = handle.weight_version
+            try:
+                self._weights.load(handle, self._delta_base)
+            except BaseException:
+                # The servers may hold part of this push: only a whole version may follow (a delta is refused).
+                self._delta_base = -1
+                raise
+            self._weight_version = self._delta_base = handle.weight_version
             if self._server_check:
                 for slot in [s for s in self.slots if s.admitted]:
                     self._weights.verify(slot, self._weight_version)
