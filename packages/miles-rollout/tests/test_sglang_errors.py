@@ -51,3 +51,53 @@ def test_failure_after_launch_leaves_no_server_behind(tiny_model_dir, tmp_path):
         build_engine(SGLangEngineConfig(type="sglang", log_dir=str(tmp_path / "logs")), folder)
     running = subprocess.run(["pgrep", "-f", f"--model-path {folder}"], capture_output=True, text=True).stdout
     assert not running.strip(), "the launched server must be stopped"
+
+
+# Stands in for the SGLang launcher in the test below: it binds its port the way uvicorn does, and fails as
+# uvicorn does (exit code 3, "[Errno 98] ... address already in use") when another process holds it.
+FAKE_SERVER = """
+import http.server, sys
+port = int(sys.argv[1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), H)
+except OSError as exc:
+    print(f"ERROR:    [Errno {exc.errno}] error while attempting to bind on address ('127.0.0.1', {port}): "
+          "address already in use", flush=True)
+    sys.exit(3)
+server.serve_forever()
+"""
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_starts_again_on_another(tmp_path, monkeypatch):
+    """SGLang binds its port only after loading the model; a port taken meanwhile is retried on a new one. The
+    launcher is a stand-in here (the retry is Miles' code; what SGLang prints on a taken port is uvicorn's)."""
+    import socket
+    import sys
+
+    from miles_rollout.engines.sglang import server as server_module
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    ports = iter([taken])
+    real_free_port = server_module.free_port
+    monkeypatch.setattr(server_module, "free_port", lambda: next(ports, None) or real_free_port())
+    monkeypatch.setattr(
+        server_module,
+        "server_command",
+        lambda m, c, d, port, s, g: ([sys.executable, "-c", FAKE_SERVER, str(port)], {}),
+    )
+    try:
+        server = server_module.SGLangServer("/m", SGLangEngineConfig(type="sglang"), "float32", 0, tmp_path)
+        assert server.port == taken
+        server.wait_ready(30)
+        assert server.port != taken and server.url.endswith(f":{server.port}") and server.alive()
+        failed = tmp_path / f"sglang-0.port-{taken}.log"
+        assert "address already in use" in failed.read_text()  # the first attempt's log is kept
+        server.stop()
+    finally:
+        held.close()

@@ -96,6 +96,7 @@ class SGLangEngine:
             for slot in self.slots:
                 assert slot.server is not None
                 slot.server.wait_ready(config.startup_timeout_s)
+                slot.url = slot.server.url  # a server whose port was taken meanwhile started again on another
         for slot in self.slots:
             self._check_reachable(slot.url)
         # A checkpoint may still carry the head of a tied model; SGLang skips it, and so does the check.

@@ -23,8 +23,8 @@ def recover(
         slot.restarts += 1
         slot.note(f"restarting (restart {slot.restarts} of at most {config.max_restarts})")
         slot.server = launch(slot.index)
-        slot.url = slot.server.url
         slot.server.wait_ready(config.startup_timeout_s)
+        slot.url = slot.server.url  # after: a server whose port was taken starts again on another
     try:
         weights.verify(slot, version)
     except WeightMismatchError:

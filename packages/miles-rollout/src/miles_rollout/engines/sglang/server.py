@@ -15,6 +15,7 @@ import httpx
 from miles_rollout.config import SGLangEngineConfig, tp_size
 
 SHIM_ENV = "MILES_SGLANG_CPU_SHIM"
+PORT_RETRIES = 3  # starts again on a new port when another process took the chosen one first
 
 
 class EngineStartError(RuntimeError):
@@ -128,21 +129,40 @@ class SGLangServer:
         gpu_ids: list[str] | None = None,
     ):
         self.index = index
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"sglang-{index}.log"
         self.tp_size = tp_size(config.extra_args)
         self.gpu_ids = gpu_ids
-        args, extra_env = server_command(model_path, config, dtype, self.port, seed + index, gpu_ids)
-        env = {**os.environ, **extra_env}
+        self._command = (model_path, config, dtype, seed + index, gpu_ids)
         log_dir.mkdir(parents=True, exist_ok=True)
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start the server on a port free now. SGLang binds it only after loading the model (tens of seconds
+        here), so another process can take it meanwhile: `wait_ready` then starts it again on another."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        model_path, config, dtype, seed, gpu_ids = self._command
+        args, extra_env = server_command(model_path, config, dtype, self.port, seed, gpu_ids)
+        env = {**os.environ, **extra_env}
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
+    def _lost_its_port(self) -> bool:
+        """The server exited because its port was taken between `free_port` and its bind."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return any("address already in use" in line and str(self.port) in line for line in text.splitlines())
+
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
+        port_retries = PORT_RETRIES
         while time.time() < deadline:
             code = self.process.poll()
+            if code is not None and port_retries and self._lost_its_port():
+                port_retries -= 1
+                self.stop()  # what is left of its process group
+                self.log_path.replace(self.log_path.with_name(f"{self.log_path.stem}.port-{self.port}.log"))
+                self._spawn()
+                continue
             if code is not None:
                 raise EngineStartError(
                     f"sglang engine {self.index} exited with code {code} during start-up; log {self.log_path}:\n"
