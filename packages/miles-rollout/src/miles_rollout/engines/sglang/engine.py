@@ -190,14 +190,15 @@ class SGLangEngine:
         with self._busy:
             try:
                 self._weights.load(handle, self._delta_base)
+                self._weight_version = handle.weight_version
+                if self._server_check:
+                    for slot in [s for s in self.slots if s.admitted]:
+                        self._weights.verify(slot, self._weight_version)
             except BaseException:
-                # The servers may hold part of this push: only a whole version may follow (a delta is refused).
+                # The servers may hold part of this push, or other weights: only a whole version may follow.
                 self._delta_base = -1
                 raise
-            self._weight_version = self._delta_base = handle.weight_version
-            if self._server_check:
-                for slot in [s for s in self.slots if s.admitted]:
-                    self._weights.verify(slot, self._weight_version)
+            self._delta_base = handle.weight_version
         return self._weights.fingerprint
 
     def weight_fingerprint(self) -> str:

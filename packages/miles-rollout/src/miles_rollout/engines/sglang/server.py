@@ -150,7 +150,10 @@ class SGLangServer:
     def _lost_its_port(self) -> bool:
         """The server exited because its port was taken between `free_port` and its bind."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return any("address already in use" in line and str(self.port) in line for line in text.splitlines())
+        needle = (
+            f"127.0.0.1', {self.port})"  # uvicorn: "... bind on address ('127.0.0.1', PORT): address already in use"
+        )
+        return any("address already in use" in line and needle in line for line in text.splitlines())
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
