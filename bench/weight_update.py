@@ -97,7 +97,7 @@ def main() -> None:
                     sync_config(
                         transport=transport, **({"dir": str(workdir / transport)} if transport == "disk" else {})
                     ),
-                    num_receivers=engine.broadcast_ranks,
+                    receiver_ranks=engine.receiver_ranks(),
                 )
                 times, publish_times = [], []
                 for _ in range(repeats + 1):  # the first push is a warm-up

@@ -174,12 +174,12 @@ def test_tiny_top_p_samples_the_greedy_token(engine):
     assert [r.output_ids for r in nucleus] == [r.output_ids for r in greedy]
 
 
-@pytest.mark.parametrize("transport", ["disk", "tensor", "broadcast"])
+@pytest.mark.parametrize("transport", ["inproc", "disk", "tensor", "broadcast"])
 def test_every_transport_loads_and_passes_the_equality_check(engine, tiny_model_dir, tmp_path, transport):
     weights = new_weights(tiny_model_dir)
     where = {"disk": {"dir": str(tmp_path / "w")}, "broadcast": {"timeout_s": 60}}.get(transport, {})
     config = sync_config(transport=transport, bucket_bytes=8192, **where)
-    sender = build_sender(config, num_receivers=engine.broadcast_ranks)
+    sender = build_sender(config, receiver_ranks=engine.receiver_ranks())
     try:
         for version in (7, 8):
             handle = sender.publish(weights, weight_version=version)
@@ -202,7 +202,7 @@ def test_a_delta_push_sends_only_what_changed_and_the_engine_holds_the_whole_ver
     weights = new_weights(tiny_model_dir)
     extra = {"timeout_s": 60} if transport == "broadcast" else {}
     config = sync_config(transport=transport, bucket_bytes=8192, delta=True, **extra)
-    sender = build_sender(config, num_receivers=engine.broadcast_ranks)
+    sender = build_sender(config, receiver_ranks=engine.receiver_ranks())
     try:
         first = sender.publish(weights, weight_version=1)
         assert first.base_version is None and first.num_tensors == len(weights)  # a sender's first push is whole

@@ -10,11 +10,19 @@ from miles_rollout import build_engine
 from miles_rollout.config import HFEngineConfig, SGLangEngineConfig
 from miles_rollout.engines.sglang.server import EngineStartError
 from miles_rollout.engines.sglang.weights import WeightLoader
-from miles_sync import WeightHandle
+from miles_sync import InprocHandle, WeightHandle
 
 
 def handle(packed: str | None) -> WeightHandle:
-    return WeightHandle("inproc", 2, 1, 4, 1, "f", buckets=[[("w", torch.zeros(1))]], packed=packed)
+    return InprocHandle(
+        weight_version=2,
+        num_tensors=1,
+        num_bytes=4,
+        num_buckets=1,
+        fingerprint="f",
+        buckets=[[("w", torch.zeros(1))]],
+        packed=packed,
+    )
 
 
 def test_the_hf_engine_refuses_packed_pushes(tiny_model_dir):

@@ -36,6 +36,36 @@ def read_all(handle) -> dict[str, torch.Tensor]:
     return out
 
 
+class Collector:
+    """The least an engine offers the receivers: tensors read in its own process (`LoadsTensors`)."""
+
+    name = "collector"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def load_tensors(self, handle, buckets) -> None:
+        self.calls.append("load_tensors")
+        self.tensors = {name: tensor.clone() for bucket in buckets for name, tensor in bucket}
+
+
+class ServerEngine(Collector):
+    """An engine whose servers read folders and join groups themselves (what SGLang's loader offers)."""
+
+    def load_folder(self, handle, buckets) -> None:
+        self.calls.append("load_folder")
+        self.folder = handle.location
+        self.tensors = {name: tensor for bucket in buckets for name, tensor in bucket}
+
+    def receiver_ranks(self) -> int:
+        return 1
+
+    def join_group(self, handle, receive_as) -> None:
+        self.calls.append("join_group")
+        self.tensors = {name: tensor for bucket in receive_as(1) for name, tensor in bucket}
+
+
 @pytest.fixture(params=TRANSPORTS)
 def transport(request):
     return request.param
@@ -115,8 +145,13 @@ def test_unknown_transport_in_handle(tmp_path):
     handle = make_sender("inproc", tmp_path).publish(sample_weights(), weight_version=1)
     import dataclasses
 
+    from miles_sync import receive
+
+    forged = dataclasses.replace(handle, transport="carrier-pigeon")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
-        read_buckets(dataclasses.replace(handle, transport="carrier-pigeon"))
+        read_buckets(forged)
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
+        receive(forged, Collector())
 
 
 def test_disk_prunes_only_its_own_versions(tmp_path):
@@ -132,9 +167,9 @@ def test_disk_prunes_only_its_own_versions(tmp_path):
 READ_IN_CHILD = """
 import pickle, sys
 from miles_sync import read_buckets, weight_fingerprint
-from miles_sync.transports.broadcast import read_broadcast
+from miles_sync.transports import broadcast
 handle = pickle.loads(sys.stdin.buffer.read())
-buckets = read_broadcast(handle, int(sys.argv[1])) if handle.transport == "broadcast" else read_buckets(handle)
+buckets = broadcast.read(handle, int(sys.argv[1])) if handle.transport == "broadcast" else read_buckets(handle)
 print(weight_fingerprint([p for bucket in buckets for p in bucket]))
 """
 
@@ -189,11 +224,11 @@ def test_broadcast_without_receivers_times_out_with_a_clear_error(tmp_path):
 
 
 def test_broadcast_group_counts_every_receiver(tmp_path):
-    with pytest.raises(ValueError, match="num_receivers must be at least 1"):
-        build_sender(BroadcastSync(), num_receivers=0)
-    sender = build_sender(BroadcastSync(timeout_s=60), num_receivers=3)
+    with pytest.raises(ValueError, match="receiver_ranks must be at least 1"):
+        build_sender(BroadcastSync(), receiver_ranks=0)
+    sender = build_sender(BroadcastSync(timeout_s=60), receiver_ranks=3)
     handle = sender.publish(sample_weights(), weight_version=1)
-    assert handle.group["world_size"] == 4 and handle.group["backend"] == "gloo"
+    assert handle.group.world_size == 4 and handle.group.backend == "gloo"
     readers = [read_in_subprocess(handle, rank) for rank in (1, 2, 3)]
     outs = [r.communicate(timeout=120)[0].decode().strip() for r in readers]
     sender.wait()
@@ -300,3 +335,76 @@ def test_disk_writes_views_and_shared_storages_and_copies_only_those(tmp_path):
     sender = build_sender(DiskSync(dir=str(tmp_path)))
     handle = sender.publish(bucket, weight_version=1)
     assert {n: t.tolist() for n, t in read_all(handle).items()} == {n: t.tolist() for n, t in bucket}
+
+
+HANDLE_CLASSES = {
+    "inproc": "InprocHandle",
+    "disk": "DiskHandle",
+    "tensor": "TensorHandle",
+    "broadcast": "BroadcastHandle",
+}
+
+
+def test_each_transport_has_its_own_typed_handle(transport, tmp_path):
+    import dataclasses
+
+    import miles_sync
+
+    sender = make_sender(transport, tmp_path)
+    try:
+        handle = sender.publish(sample_weights(), weight_version=2)
+        assert type(handle).__name__ == HANDLE_CLASSES[transport]
+        assert isinstance(handle, getattr(miles_sync, HANDLE_CLASSES[transport]))
+        assert handle.transport == transport  # the discriminator, fixed by the class
+        own = {f.name for f in dataclasses.fields(handle)} - {
+            f.name for f in dataclasses.fields(miles_sync.WeightHandle)
+        }
+        assert (
+            own
+            == {"inproc": {"buckets"}, "disk": {"location"}, "tensor": {"payloads"}, "broadcast": {"group", "layout"}}[
+                transport
+            ]
+        )
+        with pytest.raises(TypeError):  # a handle without what its receiver needs cannot be built
+            type(handle)(weight_version=1, num_tensors=1, num_bytes=1, num_buckets=1, fingerprint="f")
+        read_all(handle)  # let a broadcast finish
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("engine_type", [Collector, ServerEngine])
+def test_receive_loads_every_transport_into_an_engine_through_its_capabilities(transport, engine_type, tmp_path):
+    """The transport's receiver picks the engine's way in: tensors in this process for any engine, the folder
+    or the group for an engine whose servers take those themselves."""
+    from miles_sync import receive
+
+    weights = sample_weights()
+    sender = make_sender(transport, tmp_path, bucket_bytes=300)
+    try:
+        handle = sender.publish(weights, weight_version=5)
+        engine = engine_type()
+        receive(handle, engine)
+        sender.wait()
+        expected = "load_tensors"
+        if engine_type is ServerEngine:
+            expected = {"disk": "load_folder", "broadcast": "join_group"}.get(transport, "load_tensors")
+        assert engine.calls == [expected]
+        assert weight_fingerprint(list(engine.tensors.items())) == handle.fingerprint
+        if expected == "load_folder":
+            assert engine.folder == handle.location
+    finally:
+        sender.close()
+
+
+def test_receive_refuses_an_object_that_cannot_take_weights(tmp_path):
+    from miles_sync import receive
+
+    handle = make_sender("inproc", tmp_path).publish(sample_weights(), weight_version=1)
+    with pytest.raises(TypeError, match="object cannot take weights: it has no load_tensors"):
+        receive(handle, object())  # type: ignore[arg-type]
+
+
+def test_only_collective_transports_ask_for_receiver_ranks():
+    from miles_sync import needs_receiver_ranks
+
+    assert {t for t in TRANSPORTS if needs_receiver_ranks(sync_config(transport=t))} == {"broadcast"}

@@ -92,7 +92,7 @@ def _push(transport: str, weights, bucket_bytes: int, folder: Path) -> tuple[flo
         fields["dir"] = str(folder)
     if transport == "broadcast":
         fields.pop("keep_versions")
-    sender = build_sender(sync_config(**fields), num_receivers=1)
+    sender = build_sender(sync_config(**fields), receiver_ranks=1)
     received: list = []
     try:
         start = time.perf_counter()

@@ -22,9 +22,8 @@ class RolloutEngine(Protocol):
     @property
     def weight_version(self) -> int: ...
 
-    @property
-    def broadcast_ranks(self) -> int:
-        """How many receiving ranks this engine takes in a `broadcast` weight group (sender: rank 0)."""
+    def receiver_ranks(self) -> int:
+        """How many receiving ranks this engine brings to a collective weight push (sender: rank 0)."""
         ...
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
@@ -38,7 +37,9 @@ class RolloutEngine(Protocol):
     async def health(self) -> bool: ...
 
     def receive(self, handle: WeightHandle) -> str:
-        """Load the published weights, take their version, return the fingerprint now held."""
+        """Load the published weights, take their version, return the fingerprint now held (through
+        `miles_sync.receive(handle, loader)`: the transport's receiver calls the loader's `load_tensors`, or a
+        capability of `miles_sync.protocol` the loader offers). No engine looks at the handle's transport."""
         ...
 
     def weight_fingerprint(self) -> str: ...

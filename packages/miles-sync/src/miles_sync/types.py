@@ -1,21 +1,29 @@
-"""Data that crosses the trainer/engine boundary."""
+"""Data that crosses the trainer/engine boundary.
+
+A published version is described by a handle: the fields every transport fills (`WeightHandle`) plus what its
+own receiver needs, in one class per transport (`InprocHandle`, `DiskHandle`, `TensorHandle`,
+`BroadcastHandle`). `AnyHandle` is their union; `transport` tells them apart (a literal per class).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Union
 
 if TYPE_CHECKING:
     import torch
 
 NamedTensor = tuple[str, "torch.Tensor"]
 NamedTensors = Iterable[NamedTensor]
+BucketLayout = list[tuple[str, str, list[int]]]
+"""Per tensor of a bucket, in order: (name, dtype name, shape)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WeightHandle:
-    """What a sender returns and a receiver loads from: one published weight version.
+    """What a sender returns and a receiver loads from: one published weight version (the fields every
+    transport's handle has; each transport adds its own in a subclass).
 
     `fingerprint` is the sender's fingerprint of exactly the tensors it published, so the
     receiver (or anyone) can check equality after loading.
@@ -39,9 +47,51 @@ class WeightHandle:
     (`num_tensors` and `num_bytes` count them, `unchanged_tensors` the others); `fingerprint` is of the whole new
     version. None: every tensor travels."""
     unchanged_tensors: int = 0
-    location: str | None = None  # disk: the folder holding the buckets
-    buckets: list[list[NamedTensor]] | None = field(default=None, repr=False)  # inproc: the tensors
-    payloads: list[str] | None = field(default=None, repr=False)  # tensor: serialized shared-memory buckets
-    group: dict | None = None  # broadcast: rendezvous of the process group (address, port, name, size)
-    layout: list[list[tuple[str, str, list[int]]]] | None = field(default=None, repr=False)
-    """broadcast: per bucket, the (name, dtype, shape) of each tensor, in broadcast order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InprocHandle(WeightHandle):
+    """inproc: the tensors themselves, bucket by bucket."""
+
+    transport: Literal["inproc"] = "inproc"
+    buckets: list[list[NamedTensor]] = field(repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiskHandle(WeightHandle):
+    """disk: the version folder (safetensors buckets and a manifest)."""
+
+    transport: Literal["disk"] = "disk"
+    location: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorHandle(WeightHandle):
+    """tensor: per bucket, its tensors serialized as shared-memory (CUDA IPC on GPU) handles."""
+
+    transport: Literal["tensor"] = "tensor"
+    payloads: list[str] = field(repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rendezvous:
+    """Where and how the ranks of a `broadcast` weight group meet (rank 0: the sender)."""
+
+    master_address: str
+    master_port: int
+    group_name: str
+    world_size: int
+    backend: str
+    timeout_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class BroadcastHandle(WeightHandle):
+    """broadcast: the group the buckets are broadcast in and, per bucket, its tensors in broadcast order."""
+
+    transport: Literal["broadcast"] = "broadcast"
+    group: Rendezvous
+    layout: list[BucketLayout] = field(repr=False)
+
+
+AnyHandle = Union[InprocHandle, DiskHandle, TensorHandle, BroadcastHandle]  # noqa: UP007 (a runtime alias)

@@ -20,6 +20,7 @@ from miles_control.runtime.workers import (
     RolloutWorker,
     TakenBatch,
 )
+from miles_sync import needs_receiver_ranks
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +127,12 @@ class JobRuntime:
                 )
             )
 
-        def start_trainer(num_receivers: int) -> TrainerGroup:
+        def start_trainer(receiver_ranks: int) -> TrainerGroup:
             return TrainerGroup(
                 spec,
                 model_path,
                 run_dir / "weights",
-                num_receivers,
+                receiver_ranks,
                 self.cpu_split["trainer"],
                 self.pushed_precision,
                 self.plan,
@@ -144,10 +145,11 @@ class JobRuntime:
             self.rollout = start_rollout(self.trainer.placement_group, engine_gpus)
         else:
             self.rollout = start_rollout()
-            # The broadcast transport's group has a rank for every receiver the engine brings (asking waits for
+            # A collective transport's group has a rank for every receiver the engine brings (asking waits for
             # the engine to start, so only then; other transports start trainer and engine side by side).
-            num_receivers = ray.get(self.rollout.broadcast_ranks.remote()) if spec.sync.transport == "broadcast" else 1
-            self.trainer = start_trainer(num_receivers)
+            asks = needs_receiver_ranks(spec.sync)
+            receiver_ranks = ray.get(self.rollout.receiver_ranks.remote()) if asks else 1
+            self.trainer = start_trainer(receiver_ranks)
         trainer_nodes = self.trainer.node_ids()
         rollout_node = ray.get(self.rollout.node_id.remote())
         recorder.event(

@@ -19,7 +19,7 @@ class TrainerGroup:
         spec: JobSpec,
         model_path: Path,
         weights_dir: Path,
-        num_receivers: int = 1,
+        receiver_ranks: int = 1,
         pin_cpus: list[int] | None = None,
         pushed_precision: str = "float32",
         plan: Plan | None = None,
@@ -45,7 +45,7 @@ class TrainerGroup:
                 world_size,
                 f"tcp://{ip}:{port}",
                 str(weights_dir),
-                num_receivers,
+                receiver_ranks,
                 pin_cpus,
                 pushed_precision,
             )

@@ -98,7 +98,7 @@ class TrainerWorker:
         world_size: int,
         init_method: str,
         weights_dir: str,
-        num_receivers: int = 1,
+        receiver_ranks: int = 1,
         cpus: list[int] | None = None,
         pushed_precision: str = "float32",
     ) -> None:
@@ -123,7 +123,7 @@ class TrainerWorker:
         self.backend.set_push_dtype(pushed_precision, job.sync.quantization, job.sync.quant_group_size)
         self.sender = None
         if rank == 0:
-            self.sender = build_sender(job.sync.placed(weights_dir), num_receivers=num_receivers)
+            self.sender = build_sender(job.sync.placed(weights_dir), receiver_ranks=receiver_ranks)
 
     def gpu_ids(self) -> list[str]:
         """The GPUs Ray gave this rank (its CUDA_VISIBLE_DEVICES); empty on CPU."""
@@ -223,8 +223,8 @@ class RolloutWorker:
         self._stream_error: BaseException | None = None
         self._next_group = 0
 
-    def broadcast_ranks(self) -> int:
-        return self.engine.broadcast_ranks
+    def receiver_ranks(self) -> int:
+        return self.engine.receiver_ranks()
 
     def node_id(self) -> str:
         return node_id()

@@ -20,7 +20,8 @@ from miles_rollout.config import HFEngineConfig, PauseMode
 from miles_rollout.engines.checkpoint import engine_dtype
 from miles_rollout.engines.checks import check_push, group_by_sampling, held_fingerprint
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from miles_sync import WeightHandle, read_buckets
+from miles_sync import WeightHandle, receive
+from miles_sync.protocol import Buckets
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +75,8 @@ class HFEngine:
     def weight_version(self) -> int:
         return self._weight_version
 
-    @property
-    def broadcast_ranks(self) -> int:
-        """Ranks this engine takes in a `broadcast` weight group: one (rank 1, this process)."""
+    def receiver_ranks(self) -> int:
+        """Receiving ranks this engine brings to a collective weight push: one (this process)."""
         return 1
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
@@ -181,6 +181,10 @@ class HFEngine:
         return self.model is not None
 
     def receive(self, handle: WeightHandle) -> str:
+        receive(handle, self)  # the transport's receiver calls load_tensors
+        return self.weight_fingerprint()
+
+    def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:
         if handle.packed is not None:
             raise ValueError(
                 f"hf engine: weight version {handle.weight_version} carries packed {handle.packed} weights, which "
@@ -189,14 +193,13 @@ class HFEngine:
         # named_parameters() names a tied head once, as the embedding: the rule of miles_sync.naming.
         params = dict(self.model.named_parameters())
         # Read everything before touching the model, so a bad version is refused whole.
-        tensors = dict(pair for bucket in read_buckets(handle) for pair in bucket)
+        tensors = dict(pair for bucket in buckets for pair in bucket)
         check_push(self.name, handle, set(tensors), set(params), self._weight_version)
         with self._weights_lock, torch.no_grad():
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
             self._weight_version = handle.weight_version
             self._wire_dtype = handle.dtype
-        return self.weight_fingerprint()
 
     def weight_fingerprint(self) -> str:
         """The fingerprint of the weights held, in the dtype of the last push (the engine's own before one)."""

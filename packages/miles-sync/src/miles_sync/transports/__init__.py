@@ -1,44 +1,53 @@
-"""Transport factory: the only place that branches on the transport name."""
+"""The transport registry: the only place that maps a transport's name to its module.
+
+Each transport module holds both halves: `Sender` (a `BucketedSender`), `read(handle)` (the buckets of a
+published version, read in this process) and `receive(handle, engine)` (loads a version into an engine through
+the capabilities it offers, see `miles_sync.protocol`). Adding a transport is one module and one line here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from types import ModuleType
 
-from miles_sync.config import BroadcastSync, SyncConfig
-from miles_sync.protocol import WeightSender
-from miles_sync.transports.broadcast import BroadcastSender, read_broadcast
-from miles_sync.transports.disk import DiskSender, read_disk
-from miles_sync.transports.inproc import InprocSender, read_inproc
-from miles_sync.transports.tensor import TensorSender, read_tensor
+from miles_sync.config import SyncConfig
+from miles_sync.protocol import LoadsTensors, WeightSender
+from miles_sync.transports import broadcast, disk, inproc, tensor
 from miles_sync.types import NamedTensor, WeightHandle
 
-_SENDERS: dict[str, type] = {
-    "inproc": InprocSender,
-    "disk": DiskSender,
-    "tensor": TensorSender,
-    "broadcast": BroadcastSender,
-}
-_READERS: dict[str, Callable[[WeightHandle], Iterator[list[NamedTensor]]]] = {
-    "inproc": read_inproc,
-    "disk": read_disk,
-    "tensor": read_tensor,
-    "broadcast": read_broadcast,
-}
+_MODULES: dict[str, ModuleType] = {m.NAME: m for m in (inproc, disk, tensor, broadcast)}
 
-TRANSPORTS = tuple(_SENDERS)
+TRANSPORTS = tuple(_MODULES)
 
 
-def build_sender(config: SyncConfig, num_receivers: int = 1) -> WeightSender:
-    """The sender of `config.transport`; `num_receivers` is the number of receiving ranks (broadcast only)."""
-    if isinstance(config, BroadcastSync):
-        return BroadcastSender(config, num_receivers)
-    return _SENDERS[config.transport](config)
+def _module(transport: str) -> ModuleType:
+    try:
+        return _MODULES[transport]
+    except KeyError:
+        raise ValueError(f"unknown transport {transport!r}; known: {', '.join(_MODULES)}") from None
+
+
+def needs_receiver_ranks(config: SyncConfig) -> bool:
+    """Whether the sender of `config` must know how many receiving ranks the engines bring (`receiver_ranks`)
+    before it is built: a collective group's size. The others are built without asking."""
+    return bool(_module(config.transport).Sender.needs_receiver_ranks)
+
+
+def build_sender(config: SyncConfig, receiver_ranks: int = 1) -> WeightSender:
+    """The sender of `config.transport`; `receiver_ranks`: how many receiving ranks the engines bring (see
+    `needs_receiver_ranks`)."""
+    sender: WeightSender = _module(config.transport).Sender(config, receiver_ranks)
+    return sender
 
 
 def read_buckets(handle: WeightHandle) -> Iterator[list[NamedTensor]]:
-    """Yield the buckets of a published version, whatever transport published it."""
-    try:
-        reader = _READERS[handle.transport]
-    except KeyError:
-        raise ValueError(f"unknown transport {handle.transport!r}; known: {', '.join(_READERS)}") from None
-    return reader(handle)
+    """Yield the buckets of a published version in this process, whatever transport published it."""
+    return _module(handle.transport).read(handle)  # type: ignore[no-any-return]
+
+
+def receive(handle: WeightHandle, engine: LoadsTensors) -> None:
+    """Load the version of `handle` into `engine` through its transport's receiver. The engine's capabilities
+    (`LoadsFolder`, `JoinsGroup`) decide how; every engine offers `load_tensors`."""
+    if not isinstance(engine, LoadsTensors):
+        raise TypeError(f"{type(engine).__name__} cannot take weights: it has no load_tensors(handle, buckets)")
+    _module(handle.transport).receive(handle, engine)

@@ -9,12 +9,17 @@ from miles_sync.types import NamedTensor, NamedTensors, WeightHandle
 
 
 class BucketedSender:
-    """Base class: subclasses implement `_begin`, `_put_bucket` and `_finish`."""
+    """Base class: subclasses implement `_begin`, `_put_bucket` and `_finish`.
+
+    `receiver_ranks` is how many receiving ranks a version goes to (`needs_receiver_ranks` senders only: the
+    runtime asks the engines for it before building one)."""
 
     name = "base"
+    needs_receiver_ranks = False
 
-    def __init__(self, config: SyncBase) -> None:
+    def __init__(self, config: SyncBase, receiver_ranks: int = 1) -> None:
         self.config = config
+        self.receiver_ranks = receiver_ranks
         self._dtype = wire_dtype(config.dtype)
         self._last: tuple[int, dict[str, bytes]] | None = None  # delta: the last version published, its digests
 
@@ -64,18 +69,17 @@ class BucketedSender:
         if num_tensors == 0:
             raise ValueError("publish() got no tensors: refusing to publish an empty weight version")
         handle = self._finish(
-            WeightHandle(
-                transport=self.name,
-                weight_version=weight_version,
-                num_tensors=num_tensors,
-                num_bytes=num_bytes,
-                num_buckets=num_buckets,
-                fingerprint=fp.hexdigest(),
-                dtype=None if self._dtype is None else self.config.dtype,
-                packed=self.config.quantization if self.config.quant_wire == "packed" else None,
-                base_version=None if base is None else base[0],
-                unchanged_tensors=unchanged,
-            )
+            {
+                "weight_version": weight_version,
+                "num_tensors": num_tensors,
+                "num_bytes": num_bytes,
+                "num_buckets": num_buckets,
+                "fingerprint": fp.hexdigest(),
+                "dtype": None if self._dtype is None else self.config.dtype,
+                "packed": self.config.quantization if self.config.quant_wire == "packed" else None,
+                "base_version": None if base is None else base[0],
+                "unchanged_tensors": unchanged,
+            }
         )
         if self.config.delta:
             self._last = (weight_version, fp.digests)
@@ -98,5 +102,6 @@ class BucketedSender:
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
         raise NotImplementedError
 
-    def _finish(self, handle: WeightHandle) -> WeightHandle:
+    def _finish(self, common: dict) -> WeightHandle:
+        """The transport's handle: `common` holds the fields every handle has (`WeightHandle`'s)."""
         raise NotImplementedError

@@ -14,7 +14,6 @@ every bucket went out and raises what went wrong on the sender's side.
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import threading
 import uuid
@@ -24,8 +23,11 @@ from datetime import timedelta
 import torch
 
 from miles_sync.config import BroadcastSync
+from miles_sync.protocol import JoinsGroup, LoadsTensors
 from miles_sync.transports.base import BucketedSender
-from miles_sync.types import NamedTensor, WeightHandle
+from miles_sync.types import BroadcastHandle, BucketLayout, NamedTensor, Rendezvous
+
+NAME = "broadcast"
 
 _DTYPE_NAMES = {
     torch.float32: "float32",
@@ -77,7 +79,7 @@ def flatten(bucket: list[NamedTensor]) -> torch.Tensor:
     return torch.cat([tensor.reshape(-1).view(torch.uint8) for _, tensor in bucket])
 
 
-def unflatten(flat: torch.Tensor, layout: list[tuple[str, str, list[int]]]) -> list[NamedTensor]:
+def unflatten(flat: torch.Tensor, layout: BucketLayout) -> list[NamedTensor]:
     out, offset = [], 0
     for name, dtype, shape in layout:
         dt = getattr(torch, dtype)
@@ -87,7 +89,7 @@ def unflatten(flat: torch.Tensor, layout: list[tuple[str, str, list[int]]]) -> l
     return out
 
 
-def aligned(layout: list[tuple[str, str, list[int]]]) -> bool:
+def aligned(layout: BucketLayout) -> bool:
     """Each tensor of a flat bucket must start at a multiple of its element size (SGLang checks this)."""
     offset = 0
     for _, dtype, shape in layout:
@@ -99,15 +101,15 @@ def aligned(layout: list[tuple[str, str, list[int]]]) -> bool:
 
 
 class BroadcastSender(BucketedSender):
-    """Rank 0 of a weight-update group with `num_receivers` receiving ranks."""
+    """Rank 0 of a weight-update group with `receiver_ranks` receiving ranks."""
 
-    name = "broadcast"
+    name = NAME
+    needs_receiver_ranks = True
 
-    def __init__(self, config: BroadcastSync, num_receivers: int = 1) -> None:
-        super().__init__(config)
-        if num_receivers < 1:
-            raise ValueError(f"broadcast transport: num_receivers must be at least 1, got {num_receivers}")
-        self.num_receivers = num_receivers
+    def __init__(self, config: BroadcastSync, receiver_ranks: int = 1) -> None:
+        super().__init__(config, receiver_ranks)
+        if receiver_ranks < 1:
+            raise ValueError(f"broadcast transport: receiver_ranks must be at least 1, got {receiver_ranks}")
         self.backend = config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         self._thread: threading.Thread | None = None
         self._num_buckets = 0
@@ -116,7 +118,7 @@ class BroadcastSender(BucketedSender):
     def _begin(self, weight_version: int) -> None:
         self.wait()  # one version at a time on the wire (at most timeout_s: receivers that never join fail here)
         self._buckets: list[list[NamedTensor]] = []
-        self._layout: list[list[tuple[str, str, list[int]]]] = []
+        self._layout: list[BucketLayout] = []
 
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
         # Widest elements first: every tensor then starts at a multiple of its element size in the flat
@@ -128,32 +130,30 @@ class BroadcastSender(BucketedSender):
         self._buckets.append([(name, tensor.clone()) for name, tensor in bucket])
         self._layout.append(layout)
 
-    def _finish(self, handle: WeightHandle) -> WeightHandle:
+    def _finish(self, common: dict) -> BroadcastHandle:
         # A fresh group per version: a receiver that was restarted since the last push simply joins the
         # next one (a gloo group cannot take a new member). Forming one costs ~10 ms on loopback.
         address = self.config.master_address
-        rendezvous = {
-            "master_address": address,
-            "master_port": self.config.master_port or _free_port(address),
-            "group_name": f"miles-weights-{uuid.uuid4().hex[:8]}-v{handle.weight_version}",
-            "world_size": 1 + self.num_receivers,
-            "backend": self.backend,
-            "timeout_s": self.config.timeout_s,
-        }
+        rendezvous = Rendezvous(
+            master_address=address,
+            master_port=self.config.master_port or _free_port(address),
+            group_name=f"miles-weights-{uuid.uuid4().hex[:8]}-v{common['weight_version']}",
+            world_size=1 + self.receiver_ranks,
+            backend=self.backend,
+            timeout_s=self.config.timeout_s,
+        )
         buckets, self._error = self._buckets, None
         self._num_buckets = len(buckets)
         self._thread = threading.Thread(
             target=self._send, args=(rendezvous, buckets), name="miles-broadcast", daemon=True
         )
         self._thread.start()
-        return dataclasses.replace(handle, group=rendezvous, layout=self._layout)
+        return BroadcastHandle(**common, group=rendezvous, layout=self._layout)
 
-    def _send(self, r: dict, buckets: list[list[NamedTensor]]) -> None:
+    def _send(self, r: Rendezvous, buckets: list[list[NamedTensor]]) -> None:
         group = None
         try:
-            group = join_group(
-                r["master_address"], r["master_port"], r["world_size"], 0, r["group_name"], r["backend"], r["timeout_s"]
-            )
+            group = join_group(r.master_address, r.master_port, r.world_size, 0, r.group_name, r.backend, r.timeout_s)
             for bucket in buckets:
                 flat = flatten(bucket)
                 if self.backend == "nccl":
@@ -206,34 +206,32 @@ class _GlooReceiver:
 
 
 class _Receiver:
-    def __init__(self, group: dict, rank: int) -> None:
-        g = group
-        if g["backend"] == "gloo":
-            self._impl = _GlooReceiver(
-                g["master_address"], g["master_port"], g["world_size"], rank, g["group_name"], g["timeout_s"]
-            )
-            self.broadcast = self._impl.broadcast
+    def __init__(self, g: Rendezvous, rank: int) -> None:
+        if g.backend == "gloo":
+            impl = _GlooReceiver(g.master_address, g.master_port, g.world_size, rank, g.group_name, g.timeout_s)
+            self.broadcast = impl.broadcast
         else:
-            pg = join_group(
-                g["master_address"],
-                g["master_port"],
-                g["world_size"],
-                rank,
-                g["group_name"],
-                g["backend"],
-                g["timeout_s"],
-            )
+            pg = join_group(g.master_address, g.master_port, g.world_size, rank, g.group_name, g.backend, g.timeout_s)
             self.broadcast = lambda tensor: torch.distributed.broadcast(tensor, src=0, group=pg)
 
 
-def read_broadcast(handle: WeightHandle, rank: int = 1) -> Iterator[list[NamedTensor]]:
+Sender = BroadcastSender
+
+
+def read(handle: BroadcastHandle, rank: int = 1) -> Iterator[list[NamedTensor]]:
     """Join the handle's group as `rank` and receive every bucket in order (consume it to the end)."""
-    if handle.group is None or handle.layout is None:
-        raise ValueError(f"broadcast handle for weight version {handle.weight_version} names no group")
     g = handle.group
     receiver = _Receiver(g, rank)
     for layout in handle.layout:
         size = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in layout)
-        flat = torch.empty(size, dtype=torch.uint8, device="cuda" if g["backend"] == "nccl" else "cpu")
+        flat = torch.empty(size, dtype=torch.uint8, device="cuda" if g.backend == "nccl" else "cpu")
         receiver.broadcast(flat)
         yield unflatten(flat.cpu(), layout)
+
+
+def receive(handle: BroadcastHandle, engine: LoadsTensors) -> None:
+    """Servers that join the group themselves do (`JoinsGroup`); any other engine takes rank 1 and the tensors."""
+    if isinstance(engine, JoinsGroup):
+        engine.join_group(handle, lambda rank: read(handle, rank))
+    else:
+        engine.load_tensors(handle, read(handle))

@@ -17,17 +17,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from miles_sync.config import DiskSync
+from miles_sync.protocol import LoadsFolder, LoadsTensors
 from miles_sync.transports.base import BucketedSender
-from miles_sync.types import NamedTensor, WeightHandle
+from miles_sync.types import DiskHandle, NamedTensor
 
+NAME = "disk"
 MANIFEST = "manifest.json"
 
 
 class DiskSender(BucketedSender):
-    name = "disk"
+    name = NAME
 
-    def __init__(self, config: DiskSync) -> None:
-        super().__init__(config)
+    def __init__(self, config: DiskSync, receiver_ranks: int = 1) -> None:
+        super().__init__(config, receiver_ranks)
         self._published: list[Path] = []
         if config.dir is None:
             self._root = Path(tempfile.mkdtemp(prefix="miles-weights-"))
@@ -51,9 +53,9 @@ class DiskSender(BucketedSender):
         save_file(_writable(bucket), str(self._staging / file_name))
         self._files.append({"file": file_name, "names": [name for name, _ in bucket]})
 
-    def _finish(self, handle: WeightHandle) -> WeightHandle:
-        handle = dataclasses.replace(handle, location=str(self._final))
-        manifest = {k: v for k, v in dataclasses.asdict(handle).items() if k != "buckets"}
+    def _finish(self, common: dict) -> DiskHandle:
+        handle = DiskHandle(**common, location=str(self._final))
+        manifest = dataclasses.asdict(handle)
         manifest["files"] = self._files
         (self._staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if self._final.exists():
@@ -92,9 +94,10 @@ def _writable(bucket: list[NamedTensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_disk(handle: WeightHandle) -> Iterator[list[NamedTensor]]:
-    if handle.location is None:
-        raise ValueError(f"disk handle for weight version {handle.weight_version} has no location")
+Sender = DiskSender
+
+
+def read(handle: DiskHandle) -> Iterator[list[NamedTensor]]:
     folder = Path(handle.location)
     manifest_path = folder / MANIFEST
     if not manifest_path.exists():
@@ -103,3 +106,11 @@ def read_disk(handle: WeightHandle) -> Iterator[list[NamedTensor]]:
     for entry in manifest["files"]:
         tensors = load_file(str(folder / entry["file"]))
         yield [(name, tensors[name]) for name in entry["names"]]
+
+
+def receive(handle: DiskHandle, engine: LoadsTensors) -> None:
+    """Servers that read the folder themselves do (`LoadsFolder`); any other engine takes the tensors."""
+    if isinstance(engine, LoadsFolder):
+        engine.load_folder(handle, read(handle))
+    else:
+        engine.load_tensors(handle, read(handle))

@@ -6,15 +6,17 @@ Ray's object store. It is the reference transport the others are checked against
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
+from miles_sync.protocol import LoadsTensors
 from miles_sync.transports.base import BucketedSender
-from miles_sync.types import NamedTensor, WeightHandle
+from miles_sync.types import InprocHandle, NamedTensor
+
+NAME = "inproc"
 
 
 class InprocSender(BucketedSender):
-    name = "inproc"
+    name = NAME
 
     def _begin(self, weight_version: int) -> None:
         self._buckets: list[list[NamedTensor]] = []
@@ -23,11 +25,16 @@ class InprocSender(BucketedSender):
         # Cloning keeps the published version immutable while the trainer keeps updating its tensors.
         self._buckets.append([(name, tensor.clone()) for name, tensor in bucket])
 
-    def _finish(self, handle: WeightHandle) -> WeightHandle:
-        return dataclasses.replace(handle, buckets=self._buckets)
+    def _finish(self, common: dict) -> InprocHandle:
+        return InprocHandle(**common, buckets=self._buckets)
 
 
-def read_inproc(handle: WeightHandle) -> Iterator[list[NamedTensor]]:
-    if handle.buckets is None:
-        raise ValueError(f"inproc handle for weight version {handle.weight_version} carries no tensors")
+Sender = InprocSender
+
+
+def read(handle: InprocHandle) -> Iterator[list[NamedTensor]]:
     yield from handle.buckets
+
+
+def receive(handle: InprocHandle, engine: LoadsTensors) -> None:
+    engine.load_tensors(handle, read(handle))

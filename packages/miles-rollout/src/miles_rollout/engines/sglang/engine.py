@@ -139,10 +139,10 @@ class SGLangEngine:
     def weight_version(self) -> int:
         return self._weight_version
 
-    @property
-    def broadcast_ranks(self) -> int:
-        """Ranks this engine takes in a `broadcast` weight group: itself (the verifier) and every server rank."""
-        return self._weights.broadcast_ranks()
+    def receiver_ranks(self) -> int:
+        """Receiving ranks this engine brings to a collective weight push: itself (the verifier) and every server
+        rank."""
+        return self._weights.receiver_ranks()
 
     # ---- generation, pause, health --------------------------------------------------------------
 

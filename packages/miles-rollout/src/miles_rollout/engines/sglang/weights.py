@@ -1,16 +1,19 @@
-"""Weights on the SGLang servers: loading a pushed version through each transport, the per-tensor checksum
-check against the published HF tensors, and the copy of the current version kept for recovery.
+"""Weights on the SGLang servers: loading a pushed version, the per-tensor checksum check against the published
+HF tensors, and the copy of the current version kept for recovery.
 
-- `disk`: `/update_weights_from_disk` on the published folder;
-- `tensor`: `/begin_weight_update` → `/update_weights_from_tensor` per bucket (shared-memory handles,
+The loader offers the transports' receivers (`miles_sync.receive`) three ways in, and never looks at which
+transport a handle came from:
+- `load_folder`: `/update_weights_from_disk` on a published folder;
+- `load_tensors`: `/begin_weight_update` → `/update_weights_from_tensor` per bucket (shared-memory handles,
   CUDA IPC on GPU) → `/end_weight_update`;
-- `broadcast`: `/init_weights_update_group` on every server, then per bucket
-  `/update_weights_from_distributed` while the trainer broadcasts; this process joins the group too
+- `join_group`: `/init_weights_update_group` on every server, then per bucket
+  `/update_weights_from_distributed` while the trainer sends; this process joins the group too
   (rank 1) and receives a copy, which is what the check and recovery need.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,9 +26,8 @@ from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.pause import PauseControl
 from miles_rollout.engines.sglang.router import Router, Slot
 from miles_rollout.engines.sglang.server import EngineStartError
-from miles_sync import NamedTensor, WeightHandle, read_buckets, weight_fingerprint
-
-TRANSPORTS = ("disk", "tensor", "broadcast")
+from miles_sync import BroadcastHandle, DiskHandle, NamedTensor, WeightHandle, receive, weight_fingerprint
+from miles_sync.protocol import Buckets
 
 
 class WeightMismatchError(RuntimeError):
@@ -123,18 +125,15 @@ class WeightLoader:
 
     def load(self, handle: WeightHandle, held_version: int) -> None:
         """Load the pushed version into every admitted server (quarantining those the transport fails); the
-        servers hold `held_version` now (a delta push must be based on it)."""
+        servers hold `held_version` now (a delta push must be based on it). The handle's transport decides,
+        through the capabilities below: `load_folder` (the servers read the folder), `join_group` (the servers
+        join the collective group) or `load_tensors` (this process hands them its tensors in shared memory)."""
         self.held_version = held_version
-        loaders = {"disk": self._load_disk, "tensor": self._load_tensor, "broadcast": self._load_broadcast}
-        if handle.transport not in loaders:
-            raise ValueError(
-                f"sglang engine: transport {handle.transport!r} cannot reach an SGLang server; "
-                f"use sync.transport: {' | '.join(TRANSPORTS)}"
-            )
-        loaders[handle.transport](handle)
+        receive(handle, self)
 
-    def _load_disk(self, handle: WeightHandle) -> None:
-        self._accept(handle, [pair for bucket in read_buckets(handle) for pair in bucket])
+    def load_folder(self, handle: DiskHandle, buckets: Buckets) -> None:
+        """`/update_weights_from_disk` on the published folder; this process reads it for the check."""
+        self._accept(handle, [pair for bucket in buckets for pair in bucket])
         body = {
             "model_path": handle.location,
             "weight_version": str(handle.weight_version),
@@ -146,21 +145,35 @@ class WeightLoader:
 
         on_admitted(self.slots, self._parts()[0], load, "disk update")
 
-    def _load_tensor(self, handle: WeightHandle) -> None:
-        # Rebuilding from the handle maps the sender's shared memory (no copy); each server rank then gets
-        # its own serialization of these mapped tensors (a payload is consumed by the one process reading it).
-        buckets = list(read_buckets(handle))
-        self._accept(handle, [(name, tensor.clone()) for bucket in buckets for name, tensor in bucket])
-        on_admitted(
-            self.slots,
-            self._parts()[0],
-            lambda s: self.load_buckets(s, buckets, handle.weight_version),
-            "tensor update",
-        )
+    def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:
+        """Hand the tensors to every server as shared-memory handles: tensors already in shared memory (mapped
+        from a `tensor` push) as they are, others through one copy into shared memory, freed after the load."""
+        from miles_sync.shared import into_shared, release_files, shm_file, use_file_system_sharing
+
+        use_file_system_sharing()
+        received = list(buckets)
+        shared = [[(n, t if t.is_shared() else into_shared(t)) for n, t in bucket] for bucket in received]
+        copies = [
+            f
+            for mine, theirs in zip(shared, received, strict=True)
+            for (_, s), (_, t) in zip(mine, theirs, strict=True)
+            if s is not t and (f := shm_file(s))
+        ]
+        try:
+            # The version kept here must outlive the sender's shared memory: mapped tensors are copied.
+            self._accept(handle, [(n, t.clone() if t.is_shared() else t) for bucket in received for n, t in bucket])
+            on_admitted(
+                self.slots,
+                self._parts()[0],
+                lambda s: self.load_buckets(s, shared, handle.weight_version),
+                "tensor update",
+            )
+        finally:
+            release_files(shared, copies)  # our references go first, then the files of our copies
 
     def load_buckets(self, slot: Slot, buckets: list[list[NamedTensor]], version: int) -> None:
         """`/update_weights_from_tensor` per bucket, inside `/begin_weight_update` … `/end_weight_update`."""
-        from miles_sync.transports.tensor import serialize_bucket, use_file_system_sharing
+        from miles_sync.shared import serialize_bucket, use_file_system_sharing
 
         use_file_system_sharing()
         self.calls.post(slot.url, "/begin_weight_update")
@@ -177,7 +190,7 @@ class WeightLoader:
 
     def load_current(self, slot: Slot, version: int) -> None:
         """Push the current version from this process's copy, through shared memory (recovery)."""
-        from miles_sync.transports.tensor import release_shared, use_file_system_sharing
+        from miles_sync.shared import release_shared, use_file_system_sharing
 
         use_file_system_sharing()
         shared = [(name, tensor.clone().share_memory_()) for name, tensor in self.current]
@@ -186,45 +199,43 @@ class WeightLoader:
         finally:
             release_shared([shared])
 
-    def broadcast_ranks(self) -> int:
-        """Ranks this engine takes in a `broadcast` weight group: itself (the verifier) and every server rank."""
+    def receiver_ranks(self) -> int:
+        """Ranks this engine takes in a collective weight group: itself (the verifier) and every server rank."""
         return 1 + sum(tp_size(s) for s in self.slots)
 
-    def _load_broadcast(self, handle: WeightHandle) -> None:
+    def join_group(self, handle: BroadcastHandle, receive_as: Callable[[int], Buckets]) -> None:
         """Every server joins the handle's group; this process joins as rank 1 and keeps a copy.
 
         Ranks: 0 the trainer, 1 this process, then each server's `rank_offset + tp_rank`. A server that is
         quarantined cannot take its ranks, so this process stands in for them (and the server gets the
         weights when it is re-admitted)."""
-        from miles_sync.transports.broadcast import read_broadcast
 
         group, layout = handle.group, handle.layout
-        assert group is not None and layout is not None
         published = {n for bucket in layout for n, _, _ in bucket}
         check_push(self.name, handle, published, self.names, self.held_version)
         offsets, next_rank = {}, 2
         for slot in self.slots:
             offsets[slot.index] = next_rank
             next_rank += tp_size(slot)
-        if group["world_size"] != next_rank:
+        if group.world_size != next_rank:
             raise ValueError(
-                f"sglang engine: the broadcast group has {group['world_size']} ranks but the trainer, this engine "
-                f"and its servers need {next_rank}; build the sender with num_receivers={next_rank - 1}"
+                f"sglang engine: the weight group has {group.world_size} ranks but the trainer, this engine "
+                f"and its servers need {next_rank}; build the sender with receiver_ranks={next_rank - 1}"
             )
         admitted = [s for s in self.slots if s.admitted]
         standins = [
             r for s in self.slots if not s.admitted for r in range(offsets[s.index], offsets[s.index] + tp_size(s))
         ]
-        name = group["group_name"]
+        name = group.group_name
         pool = ThreadPoolExecutor(max_workers=len(admitted) + len(standins) + 1)
         try:
             # Joining blocks until every rank is there, so all joins run at once.
             join_body = {
-                "master_address": group["master_address"],
-                "master_port": group["master_port"],
-                "world_size": group["world_size"],
+                "master_address": group.master_address,
+                "master_port": group.master_port,
+                "world_size": group.world_size,
                 "group_name": name,
-                "backend": group["backend"],
+                "backend": group.backend,
             }
             joins = [
                 pool.submit(
@@ -232,12 +243,12 @@ class WeightLoader:
                     s.url,
                     "/init_weights_update_group",
                     {**join_body, "rank_offset": offsets[s.index]},
-                    group["timeout_s"],
+                    group.timeout_s,
                 )
                 for s in admitted
             ]
-            mine = read_broadcast(handle, rank=1)
-            theirs = [read_broadcast(handle, rank=r) for r in standins]
+            mine = receive_as(1)
+            theirs = [receive_as(r) for r in standins]
             received: list[NamedTensor] = []
             for index, bucket_layout in enumerate(layout):
                 last = index == len(layout) - 1
@@ -264,7 +275,7 @@ class WeightLoader:
                 stand = [pool.submit(next, it) for it in theirs]
                 received += next(mine)  # this process's share of the collective
                 for f in stand + loads:
-                    f.result(timeout=group["timeout_s"])
+                    f.result(timeout=group.timeout_s)
             for s in admitted:
                 self.calls.post(s.url, "/destroy_weights_update_group", {"group_name": name})
         finally:
