@@ -2,7 +2,7 @@
 
 For models of a few sizes (random Qwen2 in fp32), each transport pushes a full new version the way
 the loop does: publish (trainer side) → pause (in_place) → load → version++ → resume (engine side),
-plus, for `broadcast`, the sender's own completion. The time is from the start of publish until the
+plus, for `broadcast` and `p2p`, the sender's own completion. The time is from the start of publish until the
 engine is resumed; afterwards a generate call checks that the engine serves the new version. The
 engine runs with `verify_weights: false`: the checksum comparison is timed separately (column
 "check"), since it costs a hash of every weight on both sides. The baseline is `dst.copy_(src)` of
@@ -32,7 +32,7 @@ SIZES = {  # name: (hidden, layers)
     "63 MB": (512, 4),
     "500 MB": (1024, 8),
 }
-TRANSPORTS = ("disk", "tensor", "broadcast")
+TRANSPORTS = ("disk", "tensor", "broadcast", "p2p")
 
 
 def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
@@ -75,7 +75,7 @@ def main() -> None:
 
     from miles_rollout import GenerateRequest, SamplingParams, build_engine
     from miles_rollout.config import SGLangEngineConfig
-    from miles_sync import build_sender, sync_config
+    from miles_sync import build_sender, needs_receiver_ranks, sync_config
 
     sizes = ["4 MB"] if args.quick else (args.sizes or list(SIZES))
     repeats = 1 if args.quick else args.repeats
@@ -93,12 +93,11 @@ def main() -> None:
         version = 0
         try:
             for transport in TRANSPORTS:
-                sender = build_sender(
-                    sync_config(
-                        transport=transport, **({"dir": str(workdir / transport)} if transport == "disk" else {})
-                    ),
-                    receiver_ranks=engine.receiver_ranks(),
+                config = sync_config(
+                    transport=transport, **({"dir": str(workdir / transport)} if transport == "disk" else {})
                 )
+                ranks = engine.receiver_ranks() if needs_receiver_ranks(config) else 1
+                sender = build_sender(config, receiver_ranks=ranks)
                 times, publish_times = [], []
                 for _ in range(repeats + 1):  # the first push is a warm-up
                     version += 1

@@ -40,7 +40,7 @@ def test_rollout_throughput_bench_reports_both_ratios(tmp_path):
 def test_weight_update_bench_covers_every_transport(tmp_path):
     report = run_bench("weight_update.py", tmp_path)
     rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| 4 MB")]
-    assert sorted(r[1].strip() for r in rows) == ["broadcast", "disk", "tensor"]
+    assert sorted(r[1].strip() for r in rows) == ["broadcast", "disk", "p2p", "tensor"]
     for row in rows:
         latency, publish, memcpy, ratio = (float(row[i].replace(",", "")) for i in (3, 4, 6, 7))
         assert latency > 0 and memcpy > 0 and 0 <= publish <= latency, row
@@ -57,22 +57,24 @@ def test_weights_bench_fits_every_transport_and_projects_by_its_formula(tmp_path
     assert result.returncode == 0, result.stderr[-4000:]
     report = (out / "report.md").read_text()
     rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in report.splitlines() if line.startswith("| ")]
-    measured = [r for r in rows if len(r) == 5 and r[0] in ("disk", "tensor", "broadcast")]
-    assert len(measured) == 12 and all(float(r[4].replace(",", "")) > 0 for r in measured), report  # 3 × 2 × 2
-    fits = {r[0]: r for r in rows if len(r) == 8 and r[0] in ("disk", "tensor", "broadcast")}
-    projections = {r[0]: r for r in rows if len(r) == 6 and r[0] in ("disk", "tensor", "broadcast")}
-    assert set(fits) == set(projections) == {"disk", "tensor", "broadcast"}, report
+    names = ("disk", "tensor", "broadcast", "p2p")
+    measured = [r for r in rows if len(r) == 5 and r[0] in names]
+    assert len(measured) == 16 and all(float(r[4].replace(",", "")) > 0 for r in measured), report  # 4 × 2 × 2
+    fits = {r[0]: r for r in rows if len(r) == 8 and r[0] in names}
+    projections = {r[0]: r for r in rows if len(r) == 6 and r[0] in names}
+    assert set(fits) == set(projections) == set(names), report
     for name, f in fits.items():
         t0, t_bucket, t_gb = float(f[1].replace(",", "")) / 1e3, float(f[2].replace(",", "")) / 1e3, float(f[3])
         assert t_gb > 0, f  # moving bytes costs something on every transport
         p = projections[name]
-        per_sender, buckets = 2e10 / 4, math.ceil(2e10 / 4 / (256 << 20))
+        senders = 4 if name == "p2p" else 1  # p2p sends from every trainer rank, the others from rank 0
+        per_sender, buckets = 2e10 / senders, math.ceil(2e10 / senders / (256 << 20))
         link = (1 if name == "broadcast" else 2) / 10e9
         expected = t0 + buckets * t_bucket + per_sender * max(t_gb / 1e9, link)
         assert int(p[2].replace(",", "")) == buckets
         assert float(p[1].replace(",", "")) == pytest.approx(expected, rel=0.02), (p, f)
         assert p[5] == ("link" if link > t_gb / 1e9 else "this machine")
-    assert "a point-to-point transport Miles does not have yet" in report  # --senders 4 is a projection
+    assert "R = 4 is the projection's assumption" in report  # measured from one sending rank
     assert "1 T parameters in 7.2 s (Miles' published figure; a claim, not measured here)" in report
 
 

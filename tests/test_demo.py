@@ -70,7 +70,7 @@ def test_two_trainer_ranks_inproc_transport(tmp_path):
         tmp_path,
         "schedule.num_steps=3",
         "train.backend.world_size=2",
-        "rollout.engine.type=hf",  # inproc hands tensors over in Ray's object store: in-process engines only
+        "rollout.engine.type=hf",  # inproc hands tensors over in Ray's object store
         "sync.transport=inproc",
         "rollout.num_prompts_per_step=16",
         "rollout.eval.num_prompts=50",
@@ -137,6 +137,30 @@ def test_sglang_transports_through_the_loop(tmp_path, transport):
     syncs = store.spans(1, "weight_sync")
     assert {s.attrs["transport"] for s in syncs} == {transport}
     assert all(s.attrs["num_buckets"] > 1 for s in syncs)
+
+
+@pytest.mark.sglang
+def test_p2p_from_two_fsdp2_ranks_to_two_sglang_engines(tmp_path):
+    """Each FSDP2 rank sends its own row shards straight to the rollout worker (no gather on rank 0), which hands
+    the whole tensors to both SGLang servers; SGLang's checksums and the fingerprint over the shards agree after
+    every push."""
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    _, store = miles_run(
+        tmp_path,
+        "rollout.engine.type=sglang",
+        "rollout.engine.num_engines=2",
+        "train.backend.world_size=2",
+        "sync.transport=p2p",
+        "sync.bucket_bytes=1000000",
+        "schedule.num_steps=2",
+        "rollout.num_prompts_per_step=8",
+        "rollout.eval.num_prompts=20",
+    )
+    assert store.job(1).status == "succeeded", store.job(1).error
+    check_weight_syncs(store, 1, 2)
+    syncs = store.spans(1, "weight_sync")
+    assert {s.attrs["transport"] for s in syncs} == {"p2p"}
+    assert all(s.attrs["sharded_tensors"] > 0 for s in syncs)  # tensors that arrived as two ranks' row shards
 
 
 @pytest.mark.parametrize(

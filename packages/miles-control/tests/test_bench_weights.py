@@ -37,5 +37,8 @@ def test_the_projection_is_its_formula_and_names_what_bounds_it():
     assert p["bound"] == "link"
     b = project(Fit("broadcast", 0.01, 0.002, 1e-9, 1.0, 6), scale)  # the group forwards: fanout 1 → 0.5e-9 < 1e-9
     assert b["bound"] == "this machine" and b["byte_s"] == pytest.approx(2e9 * 1e-9)
-    wide = project(Fit("broadcast", 0.01, 0.002, 1e-9, 1.0, 6), Scale(1e9, 2, 4, 4, 2.0, 1 << 30))
-    assert wide["byte_s"] == pytest.approx(0.5e9 * 1e-9) and wide["buckets"] == 1  # four senders of 0.5 GB each
+    wide = Scale(1e9, 2, 4, 4, 2.0, 1 << 30)  # four trainer ranks
+    p2p = project(Fit("p2p", 0.01, 0.002, 1e-9, 1.0, 6), wide)  # each sends its 0.5 GB to each of 4 engines
+    assert p2p["buckets"] == 1 and p2p["bound"] == "link" and p2p["byte_s"] == pytest.approx(0.5e9 * 4 / 2e9)
+    rank0 = project(Fit("broadcast", 0.01, 0.002, 1e-9, 1.0, 6), wide)  # broadcast sends from rank 0 alone
+    assert rank0["buckets"] == 2 and rank0["byte_s"] == pytest.approx(2e9 * 1e-9)

@@ -3,9 +3,11 @@
 import gc
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -342,6 +344,7 @@ HANDLE_CLASSES = {
     "disk": "DiskHandle",
     "tensor": "TensorHandle",
     "broadcast": "BroadcastHandle",
+    "p2p": "P2PHandle",
 }
 
 
@@ -353,6 +356,7 @@ def test_each_transport_has_its_own_typed_handle(transport, tmp_path):
     sender = make_sender(transport, tmp_path)
     try:
         handle = sender.publish(sample_weights(), weight_version=2)
+        read_all(handle)  # a collective transport's sender finishes once a receiver took the version
         assert type(handle).__name__ == HANDLE_CLASSES[transport]
         assert isinstance(handle, getattr(miles_sync, HANDLE_CLASSES[transport]))
         assert handle.transport == transport  # the discriminator, fixed by the class
@@ -361,13 +365,16 @@ def test_each_transport_has_its_own_typed_handle(transport, tmp_path):
         }
         assert (
             own
-            == {"inproc": {"buckets"}, "disk": {"location"}, "tensor": {"payloads"}, "broadcast": {"group", "layout"}}[
-                transport
-            ]
+            == {
+                "inproc": {"buckets"},
+                "disk": {"location"},
+                "tensor": {"payloads"},
+                "broadcast": {"group", "layout"},
+                "p2p": {"group", "num_senders", "parts"},
+            }[transport]
         )
         with pytest.raises(TypeError):  # a handle without what its receiver needs cannot be built
             type(handle)(weight_version=1, num_tensors=1, num_bytes=1, num_buckets=1, fingerprint="f")
-        read_all(handle)  # let a broadcast finish
     finally:
         sender.close()
 
@@ -408,3 +415,126 @@ def test_only_collective_transports_ask_for_receiver_ranks():
     from miles_sync import needs_receiver_ranks
 
     assert {t for t in TRANSPORTS if needs_receiver_ranks(sync_config(transport=t))} == {"broadcast"}
+
+
+SHARDED_SENDER = """
+import os, pickle, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+sys.path.insert(0, sys.argv[4])
+from test_transports import sharded_weights
+from miles_sync import P2PSync
+from miles_sync.transports.p2p import P2PSender
+
+rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+mesh = init_device_mesh("cpu", (2,))
+held = [(n, distribute_tensor(t, mesh, [Replicate() if t.dim() == 0 else Shard(0)])) for n, t in sharded_weights()]
+sender = P2PSender(P2PSync(bucket_bytes=256, timeout_s=60), receiver_ranks=2)
+handle = sender.publish(held, weight_version=3)
+with open(out + ".tmp", "wb") as f:
+    pickle.dump(handle, f)
+os.replace(out + ".tmp", out + ".handle")  # whole when it appears
+sender.wait()
+with open(out + ".bytes", "w") as f:
+    f.write(str(sender.bytes_sent))
+dist.destroy_process_group()
+"""
+
+
+def sharded_weights() -> list[tuple[str, torch.Tensor]]:
+    """Tensors whose rows split evenly, unevenly (7 rows: 4 + 3) and not at all (1 row: rank 1 holds none)."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        ("even.weight", torch.randn(8, 4, generator=g)),
+        ("uneven.weight", torch.randn(7, 5, generator=g).to(torch.bfloat16)),
+        ("one_row.bias", torch.randn(1, 3, generator=g)),
+        ("counter", torch.tensor(11, dtype=torch.int64)),
+    ]
+
+
+def test_p2p_from_two_sharded_ranks_to_two_receivers_moves_each_byte_once(tmp_path):
+    """Two trainer ranks holding FSDP2-style row shards (DTensor Shard(0)) send straight to two receiving ranks:
+    each receiver gets bit-exact whole tensors, each rank sends only its own bytes (once per receiver), and the
+    fingerprint taken over the pieces is what a receiver holding whole tensors computes."""
+    import threading
+
+    from miles_sync import combine
+    from miles_sync.transports import p2p
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tests_dir = str(Path(__file__).parent)
+    senders = [
+        subprocess.Popen([sys.executable, "-c", SHARDED_SENDER, str(r), str(port), str(tmp_path / f"r{r}"), tests_dir])
+        for r in (0, 1)
+    ]
+    try:
+        handles = []
+        for r in (0, 1):
+            path = tmp_path / f"r{r}.handle"
+            for _ in range(1200):
+                if path.exists():
+                    break
+                assert senders[r].poll() is None, f"sender rank {r} exited with {senders[r].returncode}"
+                time.sleep(0.1)
+            handles.append(pickle.loads(path.read_bytes()))
+        handle = combine(handles)
+        assert handle.num_senders == 2 and handle.group.world_size == 4
+        received: dict[int, dict[str, torch.Tensor]] = {}
+
+        def take(index: int) -> None:
+            received[index] = {n: t for bucket in p2p.read(handle, index) for n, t in bucket}
+
+        readers = [threading.Thread(target=take, args=(i,)) for i in (0, 1)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(120)
+        assert all(s.wait(120) == 0 for s in senders)
+    finally:
+        for s in senders:
+            s.kill()
+    full = dict(sharded_weights())
+    for index in (0, 1):
+        assert received[index].keys() == full.keys()
+        for name, tensor in full.items():
+            got = received[index][name]
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+            assert torch.equal(got.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+    # the shards' row ranges are in the handle; the whole tensors hash to the senders' fingerprint over them
+    assert handle.pieces == {"even.weight": [(0, 4), (4, 8)], "uneven.weight": [(0, 4), (4, 7)]}
+    assert weight_fingerprint(received[0].items(), pieces=handle.pieces) == handle.fingerprint
+    changed = dict(received[1], **{"uneven.weight": received[1]["uneven.weight"].clone()})
+    changed["uneven.weight"][6, 0] += 1
+    assert weight_fingerprint(changed.items(), pieces=handle.pieces) != handle.fingerprint
+    # each byte once: a rank's bytes on the wire are its own pieces' bytes times the receivers
+    total = sum(t.numel() * t.element_size() for t in full.values())
+    parts = {p.rank: p.num_bytes for p in handle.parts}
+    assert sum(parts.values()) == handle.num_bytes == total
+    assert 0 < parts[1] < parts[0] < total  # rank 0 also holds the one-row tensor and the replicated counter
+    sent = {r: int((tmp_path / f"r{r}.bytes").read_text()) for r in (0, 1)}
+    assert sent == {r: 2 * parts[r] for r in (0, 1)}
+
+
+def test_p2p_combine_needs_every_rank_once_and_a_rank_may_hold_nothing():
+    from miles_sync import P2PSync, combine
+    from miles_sync.transports.p2p import P2PSender
+
+    config = P2PSync(master_port=1, timeout_s=1)  # no group forms here: the senders fail in the background
+    rank0, rank1 = (P2PSender(config, rank=r, num_senders=2) for r in (0, 1))
+    held = rank0.publish(sample_weights(), weight_version=4)
+    empty = rank1.publish([], weight_version=4)  # a rank that holds nothing (a backend that gathers on rank 0)
+    assert empty.num_tensors == 0 and empty.parts[0].layout == []
+    with pytest.raises(ValueError, match=r"got the parts of ranks \[0\] of 2"):
+        combine([held])
+    whole = combine([empty, held])
+    assert whole.parts == held.parts and whole.fingerprint == weight_fingerprint(sample_weights())
+    assert whole.pieces is None  # every tensor whole on one rank
+    with pytest.raises(ValueError, match="refusing to publish an empty weight version"):
+        P2PSender(config).publish([], weight_version=1)  # alone, a rank must hold something
+    for sender in (rank0, rank1):
+        with pytest.raises(RuntimeError, match=r"p2p transport: rank \d: sending failed"):
+            sender.wait()

@@ -2,8 +2,8 @@
 
 **Measured.** Each transport pushes synthetic fp32 weights (1 MiB tensors) at several total sizes and bucket
 sizes, from `publish` until a receiver in this process holds every bucket (`read_buckets`: the disk files
-read back, the shared-memory tensors mapped, the gloo broadcast taken by a receiving thread), median of a
-few pushes. A least-squares fit of
+read back, the shared-memory tensors mapped, the gloo broadcast or point-to-point sends taken by a receiving
+thread), median of a few pushes. A least-squares fit of
 
     t = t0 + n_buckets · t_bucket + bytes · t_byte
 
@@ -18,9 +18,10 @@ bytes, E engines and a link of L GB/s per sender:
 
 fanout is how many times a sender puts each byte on its link: 1 for `broadcast` (the group forwards it:
 NCCL's ring or tree), E for `disk` (each engine reads the shared folder) and `tensor` (same node only: L is
-then the GPU-to-GPU bandwidth, CUDA IPC). Today every transport sends from the trainer's rank 0 (R = 1);
-R > 1 is what a point-to-point transport would do, and is labelled a projection of a transport Miles does not
-have yet. Miles' published figure (1 T parameters in 7.2 s) is printed beside it as a claim, not a
+then the GPU-to-GPU bandwidth, CUDA IPC) and `p2p` (each sender to each engine). R applies to `p2p` only, whose
+every trainer rank sends the shards it holds; the others send from the trainer's rank 0 (R = 1). Measured here
+with one sending rank: R ranks sending at once is the projection's assumption, checked for correctness (each
+rank sends its own bytes, once per receiver) but not for speed on this 2-core machine. Miles' published figure (1 T parameters in 7.2 s) is printed beside it as a claim, not a
 measurement: nothing here ran on a GPU or a network.
 """
 
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MIB = 1 << 20
-TRANSPORTS = ("disk", "tensor", "broadcast")
+TRANSPORTS = ("disk", "tensor", "broadcast", "p2p")
+CONCURRENT = ("broadcast", "p2p")  # the sender's thread sends while a receiving rank takes the buckets
 CLAIM = "1 T parameters in 7.2 s (Miles' published figure; a claim, not measured here)"
 CLAIM_PARAMS, CLAIM_SECONDS = 1e12, 7.2
 
@@ -90,14 +92,14 @@ def _push(transport: str, weights, bucket_bytes: int, folder: Path) -> tuple[flo
     fields: dict = {"transport": transport, "bucket_bytes": bucket_bytes, "dtype": None, "keep_versions": 1}
     if transport == "disk":
         fields["dir"] = str(folder)
-    if transport == "broadcast":
+    if transport in CONCURRENT:
         fields.pop("keep_versions")
     sender = build_sender(sync_config(**fields), receiver_ranks=1)
     received: list = []
     try:
         start = time.perf_counter()
         handle = sender.publish(weights, weight_version=1)
-        if transport == "broadcast":  # the receiving rank takes the buckets while the sender's thread sends them
+        if transport in CONCURRENT:
             thread = threading.Thread(target=lambda: received.extend(read_buckets(handle)), daemon=True)
             thread.start()
             sender.wait()
@@ -179,6 +181,11 @@ def fit(points: Sequence[Point]) -> list[Fit]:
     return fits
 
 
+def sending_ranks(transport: str, scale: Scale) -> int:
+    """R of the formula: `p2p` sends from every trainer rank, the others from rank 0."""
+    return scale.senders if transport == "p2p" else 1
+
+
 def fanout(transport: str, engines: int) -> int:
     return 1 if transport == "broadcast" else engines
 
@@ -186,7 +193,7 @@ def fanout(transport: str, engines: int) -> int:
 def project(f: Fit, scale: Scale) -> dict[str, float]:
     """The projected update time of `scale` for a transport with the fitted costs (see the module docstring)."""
     total = scale.params * scale.bytes_per_param
-    per_sender = total / scale.senders
+    per_sender = total / sending_ranks(f.transport, scale)
     buckets = math.ceil(per_sender / scale.bucket_bytes)
     link = fanout(f.transport, scale.engines) / (scale.link_gb_s * 1e9)
     per_byte = max(f.t_byte, link)
@@ -242,9 +249,10 @@ def report(points: Sequence[Point], fits: Sequence[Fit], memcpy_byte: float, sca
         f"{scale.bucket_bytes / MIB:,.0f} MiB, {scale.engines} engine(s), {scale.link_gb_s:g} GB/s per link.",
         "",
         "`T = t0 + ceil(S / (R·B)) · t_bucket + (S / R) · max(t_byte, fanout / L)`; fanout 1 for broadcast, "
-        "E for disk and tensor."
+        "E for disk, tensor and p2p; R for p2p only (every trainer rank sends its shards), 1 for the others (rank 0 "
+        "sends)."
         + (
-            " **R > 1 projects a point-to-point transport Miles does not have yet**: today rank 0 sends everything."
+            f" **R = {scale.senders} is the projection's assumption**: measured here from one sending rank."
             if scale.senders > 1
             else ""
         ),

@@ -262,11 +262,16 @@ def bench_weights(
     out: Annotated[Path, typer.Option(help="Folder for report.md.")] = Path("bench-weights"),
     quick: Annotated[bool, typer.Option(help="4 and 16 MB with 1 and 4 MB buckets, 2 pushes each (CI).")] = False,
     transports: Annotated[
-        str, typer.Option(help="Comma-separated: disk, tensor, broadcast.")
-    ] = "disk,tensor,broadcast",
+        str, typer.Option(help="Comma-separated: disk, tensor, broadcast, p2p.")
+    ] = "disk,tensor,broadcast,p2p",
     params: Annotated[float, typer.Option(min=1, help="Projection: number of parameters.")] = 1e12,
     bytes_per_param: Annotated[float, typer.Option(min=0.25, help="Projection: bytes each (2: bf16).")] = 2.0,
-    senders: Annotated[int, typer.Option(min=1, help="Projection: ranks sending at once (today's transports: 1).")] = 1,
+    senders: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Projection: trainer ranks sending at once (p2p; the other transports send from rank 0)."
+        ),
+    ] = 1,
     engines: Annotated[int, typer.Option(min=1, help="Projection: engines receiving.")] = 8,
     link_gb_s: Annotated[float, typer.Option(min=0.001, help="Projection: GB/s of each sender's link.")] = 50.0,
     bucket_mb: Annotated[int, typer.Option(min=1, help="Projection: bucket size in MiB.")] = 1024,

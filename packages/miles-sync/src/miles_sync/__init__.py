@@ -13,6 +13,7 @@ _EXPORTS = {
     "DiskSync": "config",
     "TensorSync": "config",
     "BroadcastSync": "config",
+    "P2PSync": "config",
     "sync_config": "config",
     "Fingerprinter": "fingerprint",
     "weight_fingerprint": "fingerprint",
@@ -26,6 +27,8 @@ _EXPORTS = {
     "read_buckets": "transports",
     "receive": "transports",
     "needs_receiver_ranks": "transports",
+    "sends_from_every_rank": "transports",
+    "combine": "transports",
     "TIED_HEAD": "naming",
     "without_tied_head": "naming",
     "NamedTensor": "types",
@@ -37,6 +40,8 @@ _EXPORTS = {
     "TensorHandle": "types",
     "BroadcastHandle": "types",
     "Rendezvous": "types",
+    "P2PHandle": "types",
+    "SenderPart": "types",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
-TransportName = Literal["inproc", "disk", "tensor", "broadcast"]
+TransportName = Literal["inproc", "disk", "tensor", "broadcast", "p2p"]
 WireDtype = Literal["float32", "bfloat16", "float16"]
 # Low-precision formats of `miles_sync.formats` (kept here as names so a spec validates without torch).
 QuantFormat = Literal["none", "fp8", "fp8_block", "mxfp8", "nvfp4", "int4"]
@@ -158,6 +158,33 @@ class BroadcastSync(SyncBase):
     timeout_s: float = Field(300.0, gt=0, description="How long to wait for receivers to join or take a bucket.")
 
 
+class P2PSync(SyncBase):
+    """p2p: every trainer rank sends the tensors (or row shards) it holds straight to each receiving rank, over
+    torch.distributed point-to-point calls; no gather on rank 0."""
+
+    transport: Literal["p2p"] = "p2p"
+    master_address: str = Field("127.0.0.1", description="Address the trainer's rank 0 listens on.")
+    master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port; a free port when None.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend; auto is nccl with a GPU, gloo without."
+    )
+    timeout_s: float = Field(300.0, gt=0, description="How long to wait for receivers to join or take a bucket.")
+
+    @model_validator(mode="after")
+    def _p2p_sends_values(self) -> Self:
+        for name, value, ok in (
+            ("quantization", self.quantization, self.quantization == "none"),
+            ("delta", self.delta, not self.delta),
+        ):
+            if not ok:
+                raise ValueError(
+                    f"sync.transport: p2p does not support sync.{name}: {value}: each rank sends row shards of "
+                    "tensors, which a block format's scales and a delta's per-tensor digests do not split along; "
+                    "use sync.transport: broadcast or tensor"
+                )
+        return self
+
+
 DEFAULT_TRANSPORT: TransportName = "disk"
 
 
@@ -171,11 +198,12 @@ SyncConfig = Annotated[
     Annotated[InprocSync, Tag("inproc")]
     | Annotated[DiskSync, Tag("disk")]
     | Annotated[TensorSync, Tag("tensor")]
-    | Annotated[BroadcastSync, Tag("broadcast")],
+    | Annotated[BroadcastSync, Tag("broadcast")]
+    | Annotated[P2PSync, Tag("p2p")],
     Discriminator(
         _transport_of,
         custom_error_type="unknown_transport",
-        custom_error_message="sync.transport must be one of inproc, disk, tensor, broadcast",
+        custom_error_message="sync.transport must be one of inproc, disk, tensor, broadcast, p2p",
     ),
 ]
 """The weight-transfer section of a job: one model per transport, chosen by `transport` (default: disk)."""

@@ -39,6 +39,13 @@ class Fingerprinter:
     def digests(self) -> dict[str, bytes]:
         return dict(self._digests)
 
+    @classmethod
+    def of_digests(cls, digests: dict[str, bytes]) -> Fingerprinter:
+        """A fingerprinter holding digests computed elsewhere (other sender ranks' pieces)."""
+        fp = cls()
+        fp._digests.update(digests)
+        return fp
+
     def hexdigest(self) -> str:
         h = xxhash.xxh3_128()
         for name in sorted(self._digests):
@@ -46,11 +53,38 @@ class Fingerprinter:
         return h.hexdigest()
 
 
-def weight_fingerprint(named_tensors: NamedTensors, dtype: torch.dtype | None = None) -> str:
-    """Fingerprint of `named_tensors`, optionally after casting floating tensors to `dtype`."""
+Pieces = dict[str, list[tuple[int, int]]]
+"""Per tensor name, the row ranges `[start, stop)` of dimension 0 hashed separately (see `piece_name`)."""
+
+
+def piece_name(name: str, start: int, stop: int) -> str:
+    """The name rows `start:stop` of a tensor are hashed under when they are a piece of it."""
+    return f"{name}[{start}:{stop}]"
+
+
+def weight_fingerprint(
+    named_tensors: NamedTensors, dtype: torch.dtype | None = None, pieces: Pieces | None = None
+) -> str:
+    """Fingerprint of `named_tensors`, optionally after casting floating tensors to `dtype`.
+
+    `pieces` (a push whose senders each held row ranges of a tensor, `WeightHandle.pieces`): those tensors are
+    hashed as the listed row ranges, each under `piece_name`, as their senders hashed them; equal fingerprints
+    still mean bit-identical tensors, since the ranges cover every row."""
     fp = Fingerprinter()
     for name, tensor in named_tensors:
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        fp.add(name, tensor)
+        ranges = pieces.get(name) if pieces else None
+        if ranges is None:
+            fp.add(name, tensor)
+            continue
+        covered = sorted(ranges)
+        if (
+            covered[0][0] != 0
+            or covered[-1][1] != tensor.shape[0]
+            or any(a[1] != b[0] for a, b in zip(covered, covered[1:], strict=False))
+        ):
+            raise ValueError(f"{name}: pieces {ranges} do not cover its {tensor.shape[0]} rows once")
+        for start, stop in covered:
+            fp.add(piece_name(name, start, stop), tensor[start:stop])
     return fp.hexdigest()

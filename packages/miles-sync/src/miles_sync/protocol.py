@@ -23,6 +23,9 @@ class WeightSender(Protocol):
     """Publishes a full set of named tensors (HF names) under a weight version."""
 
     name: str
+    from_every_rank: bool
+    """True: every trainer rank publishes what it holds (`TrainerBackend.export_shards`) and the rank handles are
+    merged (`miles_sync.combine`); False: rank 0 publishes full tensors (`export_weights`)."""
 
     def publish(self, named_tensors: NamedTensors, weight_version: int) -> WeightHandle: ...
 

@@ -47,6 +47,10 @@ class WeightHandle:
     (`num_tensors` and `num_bytes` count them, `unchanged_tensors` the others); `fingerprint` is of the whole new
     version. None: every tensor travels."""
     unchanged_tensors: int = 0
+    pieces: dict[str, list[tuple[int, int]]] | None = None
+    """Tensors that several senders held in row ranges (`p2p` from sharded trainer ranks): per name, the ranges
+    `fingerprint` hashed separately. A receiver computes its fingerprint the same way
+    (`weight_fingerprint(..., pieces=handle.pieces)`). None: every tensor hashed whole."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,4 +98,31 @@ class BroadcastHandle(WeightHandle):
     layout: list[BucketLayout] = field(repr=False)
 
 
-AnyHandle = Union[InprocHandle, DiskHandle, TensorHandle, BroadcastHandle]  # noqa: UP007 (a runtime alias)
+PieceLayout = list[tuple[str, str, list[int], str, int, list[int]]]
+"""Per piece of a `p2p` bucket, in order: (key, dtype name, shape, tensor name, first row, the tensor's full
+shape). A whole tensor is one piece keyed by its name; a row shard is keyed `name[start:stop]`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SenderPart:
+    """What one `p2p` sender rank sends: its buckets' layouts, its bytes and its pieces' digests."""
+
+    rank: int
+    layout: list[PieceLayout] = field(repr=False)
+    num_bytes: int
+    digests: dict[str, bytes] = field(repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class P2PHandle(WeightHandle):
+    """p2p: the group (senders are ranks 0..num_senders-1, receivers the ranks after them) and what each sender
+    rank sends. A rank's own `publish` returns a handle with its part only; `miles_sync.combine` merges every
+    rank's into the one the engines receive."""
+
+    transport: Literal["p2p"] = "p2p"
+    group: Rendezvous
+    num_senders: int
+    parts: list[SenderPart] = field(repr=False)
+
+
+AnyHandle = Union[InprocHandle, DiskHandle, TensorHandle, BroadcastHandle, P2PHandle]  # noqa: UP007

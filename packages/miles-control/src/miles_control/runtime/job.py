@@ -291,6 +291,7 @@ class JobRuntime:
             engine_fingerprint=engine_fp,
             export_s=published.end - start,
             num_buckets=handle.num_buckets,
+            sharded_tensors=len(handle.pieces or {}),  # sent as row shards by several trainer ranks (p2p)
             base_version=handle.base_version,
             pause_mode=pause_mode,
         )

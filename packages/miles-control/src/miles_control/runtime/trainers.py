@@ -74,7 +74,14 @@ class TrainerGroup:
         return self._on_every_rank(lambda rank: rank.train_step.remote(batch))
 
     def publish_weights(self, weight_version: int) -> Published:
-        return self._on_every_rank(lambda rank: rank.publish_weights.remote(weight_version))
+        """Every rank exports and publishes (rank 0 alone, or each rank what it holds); one handle for all."""
+        import ray
+
+        from miles_sync import combine
+
+        published = ray.get([rank.publish_weights.remote(weight_version) for rank in self.ranks])
+        handle = combine([p.handle for p in published])
+        return Published(published[0].start, max(p.end for p in published), handle)
 
     def wait_published(self) -> None:
         self._on_every_rank(lambda rank: rank.wait_published.remote())

@@ -36,7 +36,7 @@ class TrainResult(Timed):
 
 @dataclass
 class Published(Timed):
-    handle: WeightHandle | None  # rank 0's; None on the other ranks (the span: export and publish)
+    handle: WeightHandle | None  # this rank's; None on a rank without a sender (the span: export and publish)
 
 
 @dataclass
@@ -107,7 +107,7 @@ class TrainerWorker:
         import torch
 
         from miles_control.config import JobSpec
-        from miles_sync import build_sender
+        from miles_sync import build_sender, sends_from_every_rank
         from miles_train import build_backend
 
         faulthandler.enable()  # a crash in native code leaves a Python stack in the worker's log
@@ -122,7 +122,7 @@ class TrainerWorker:
         # the policy the engines run: what the trainer forwards with, and recomputes the ratio's denominator under
         self.backend.set_push_dtype(pushed_precision, job.sync.quantization, job.sync.quant_group_size)
         self.sender = None
-        if rank == 0:
+        if rank == 0 or sends_from_every_rank(job.sync):
             self.sender = build_sender(job.sync.placed(weights_dir), receiver_ranks=receiver_ranks)
 
     def gpu_ids(self) -> list[str]:
@@ -140,9 +140,11 @@ class TrainerWorker:
         return TrainResult(start, time.time(), metrics)
 
     def publish_weights(self, weight_version: int) -> Published:
-        """Gather full weights (collective on every rank) and publish them from rank 0."""
+        """Gather full weights (collective on every rank) and publish them from rank 0; or, for a transport that
+        sends from every rank, publish what this rank holds."""
         start = time.time()
-        named = self.backend.export_weights()
+        every_rank = self.sender is not None and self.sender.from_every_rank
+        named = self.backend.export_shards() if every_rank else self.backend.export_weights()
         handle = None
         if self.sender is not None:
             handle = self.sender.publish(named, weight_version)

@@ -54,13 +54,14 @@ def check_push(engine: str, handle, published: set[str], expected: set[str], hel
     check_names(engine, handle.weight_version, published, published & expected)  # unknown names only
 
 
-def held_fingerprint(named_tensors: Iterable, held: str, wire: str | None) -> str:
+def held_fingerprint(named_tensors: Iterable, held: str, wire: str | None, pieces: dict | None = None) -> str:
     """The fingerprint of `named_tensors` as an engine holding dtype `held` keeps them, taken in the push's wire
-    dtype when there is one (a wider engine keeps what it was sent exactly: cast back, it equals the sender's)."""
+    dtype when there is one (a wider engine keeps what it was sent exactly: cast back, it equals the sender's),
+    and over the row ranges the push's senders held (`WeightHandle.pieces`) when it had several."""
     import torch
 
     from miles_sync import weight_fingerprint
 
     held_dtype = getattr(torch, held)
     as_held = ((name, t.to(held_dtype) if t.is_floating_point() else t) for name, t in named_tensors)
-    return weight_fingerprint(as_held, None if wire is None else getattr(torch, wire))
+    return weight_fingerprint(as_held, None if wire is None else getattr(torch, wire), pieces)

@@ -66,6 +66,7 @@ class HFEngine:
         self._generator = torch.Generator().manual_seed(seed)
         self._weight_version = 0
         self._wire_dtype: str | None = None  # of the last push: the dtype the weight check compares in
+        self._pieces: dict | None = None  # of the last push: the row ranges its senders held (several senders)
         self._resumed = threading.Event()
         self._resumed.set()
         self._abort = False
@@ -200,10 +201,11 @@ class HFEngine:
                 params[name].copy_(tensor)
             self._weight_version = handle.weight_version
             self._wire_dtype = handle.dtype
+            self._pieces = handle.pieces
 
     def weight_fingerprint(self) -> str:
         """The fingerprint of the weights held, in the dtype of the last push (the engine's own before one)."""
-        return held_fingerprint(self.model.named_parameters(), self.dtype, self._wire_dtype)
+        return held_fingerprint(self.model.named_parameters(), self.dtype, self._wire_dtype, self._pieces)
 
     def shutdown(self) -> None:
         self._resumed.set()

@@ -12,10 +12,10 @@ from types import ModuleType
 
 from miles_sync.config import SyncConfig
 from miles_sync.protocol import LoadsTensors, WeightSender
-from miles_sync.transports import broadcast, disk, inproc, tensor
+from miles_sync.transports import broadcast, disk, inproc, p2p, tensor
 from miles_sync.types import NamedTensor, WeightHandle
 
-_MODULES: dict[str, ModuleType] = {m.NAME: m for m in (inproc, disk, tensor, broadcast)}
+_MODULES: dict[str, ModuleType] = {m.NAME: m for m in (inproc, disk, tensor, broadcast, p2p)}
 
 TRANSPORTS = tuple(_MODULES)
 
@@ -38,6 +38,24 @@ def build_sender(config: SyncConfig, receiver_ranks: int = 1) -> WeightSender:
     `needs_receiver_ranks`)."""
     sender: WeightSender = _module(config.transport).Sender(config, receiver_ranks)
     return sender
+
+
+def sends_from_every_rank(config: SyncConfig) -> bool:
+    """Whether every trainer rank builds a sender and publishes what it holds (`combine` merges the handles)."""
+    return bool(_module(config.transport).Sender.from_every_rank)
+
+
+def combine(handles: list[WeightHandle | None]) -> WeightHandle:
+    """One version's handle from what each trainer rank's `publish` returned (None: a rank without a sender)."""
+    given = [h for h in handles if h is not None]
+    if not given:
+        raise ValueError("no trainer rank published a handle")
+    if len(given) == 1 and not hasattr(_module(given[0].transport), "combine"):
+        return given[0]
+    module = _module(given[0].transport)
+    if not hasattr(module, "combine"):
+        raise ValueError(f"transport {given[0].transport!r} publishes from rank 0 only, got {len(given)} handles")
+    return module.combine(given)  # type: ignore[no-any-return]
 
 
 def read_buckets(handle: WeightHandle) -> Iterator[list[NamedTensor]]:

@@ -16,6 +16,9 @@ class BucketedSender:
 
     name = "base"
     needs_receiver_ranks = False
+    from_every_rank = False
+    """True: every trainer rank has a sender and publishes what it holds (a rank may hold nothing); False: rank 0
+    publishes the full tensors."""
 
     def __init__(self, config: SyncBase, receiver_ranks: int = 1) -> None:
         self.config = config
@@ -66,7 +69,7 @@ class BucketedSender:
                 num_bytes += tensor.numel() * tensor.element_size()
             self._put_bucket(index, bucket)
             num_buckets += 1
-        if num_tensors == 0:
+        if num_tensors == 0 and not self._may_hold_nothing():
             raise ValueError("publish() got no tensors: refusing to publish an empty weight version")
         handle = self._finish(
             {
@@ -84,6 +87,10 @@ class BucketedSender:
         if self.config.delta:
             self._last = (weight_version, fp.digests)
         return handle
+
+    def _may_hold_nothing(self) -> bool:
+        """Whether this sender may publish no tensor (a trainer rank that holds none, when every rank sends)."""
+        return False
 
     def forget_base(self) -> None:
         """The next push is whole (`sync.delta`): the engines may no longer hold the last version."""

@@ -88,6 +88,14 @@ class GRPOBackend:
     # old_logprobs: auto; the trainer's numerics are train_quant's)
     train_quant: tuple[str, int] | None = None  # (format, int4 group) the forward fake-quantizes linear weights to
 
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def export_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What this rank holds, for a transport that sends from every rank: by default what `export_weights`
+        gives (gathered on rank 0); a backend whose ranks hold HF-named row shards sends those instead."""
+        return self.export_weights()
+
     def set_push_dtype(self, dtype: str | None, quantization: str = "none", group_size: int = 128) -> None:
         """The dtype the engines hold the weights in (`float32`, `bfloat16`, `float16`; None: as the trainer) and
         the format the push quantizes the linear weights to (`sync.quantization`: then `old_logprobs: auto`

@@ -60,6 +60,7 @@ class WeightLoader:
         self.pause: PauseControl | None = None
         self.dtype_name = dtype_name
         self.wire_dtype: str | None = None  # of the last push: the dtype the fingerprint names
+        self.pieces: dict | None = None  # of the last push: the row ranges its senders held (several senders)
         self.held_version = 0  # what the servers hold before a load (a delta push must be based on it)
         self.set_current(initial)
 
@@ -80,9 +81,9 @@ class WeightLoader:
         self.names = {name for name, _ in tensors}
         self._expected: dict[str, str] | None = None
         if self.packed is None:
-            self.fingerprint = held_fingerprint(tensors, self.dtype_name, self.wire_dtype)
+            self.fingerprint = held_fingerprint(tensors, self.dtype_name, self.wire_dtype, self.pieces)
         else:  # held as received: fp8 values and fp32 scales as packed, the rest in the wire dtype (= held)
-            self.fingerprint = weight_fingerprint(tensors)
+            self.fingerprint = weight_fingerprint(tensors, pieces=self.pieces)
 
     @property
     def expected(self) -> dict[str, str]:
@@ -104,7 +105,7 @@ class WeightLoader:
         if handle.base_version is not None:  # the rest of the version is what the servers already hold
             changed = dict(tensors)
             tensors = [(name, changed.get(name, tensor)) for name, tensor in self.current]
-        self.wire_dtype = handle.dtype
+        self.wire_dtype, self.pieces = handle.dtype, handle.pieces
         self.set_current(tensors)
 
     def verify(self, slot: Slot, version: int) -> None:

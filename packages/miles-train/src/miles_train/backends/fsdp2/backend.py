@@ -95,6 +95,11 @@ class FSDP2Backend(GRPOBackend):
         if self.rank == 0:
             yield from convert.to_hf(self.model.config, state)
 
+    def export_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's parameters as FSDP2 holds them: `Shard(0)` DTensors under HF names (the model is the
+        transformers model), with no collective; the `p2p` transport sends each rank's rows itself."""
+        yield from convert.to_hf(self.model.config, get_model_state_dict(self.model))
+
     def _state(self) -> TrainerState:
         return TrainerState(self.name, self.step, self.world_size)
 
