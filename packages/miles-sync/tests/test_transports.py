@@ -3,6 +3,7 @@
 import gc
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -370,7 +371,7 @@ def test_each_transport_has_its_own_typed_handle(transport, tmp_path):
                 "disk": {"location"},
                 "tensor": {"payloads"},
                 "broadcast": {"group", "layout"},
-                "p2p": {"group", "num_senders", "parts"},
+                "p2p": {"group", "num_senders", "parts", "max_buckets_in_flight"},
             }[transport]
         )
         with pytest.raises(TypeError):  # a handle without what its receiver needs cannot be built
@@ -431,7 +432,7 @@ rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 mesh = init_device_mesh("cpu", (2,))
 held = [(n, distribute_tensor(t, mesh, [Replicate() if t.dim() == 0 else Shard(0)])) for n, t in sharded_weights()]
-sender = P2PSender(P2PSync(bucket_bytes=256, timeout_s=60), receiver_ranks=2)
+sender = P2PSender(P2PSync(bucket_bytes=256, timeout_s=60, max_buckets_in_flight=2), receiver_ranks=2)
 handle = sender.publish(held, weight_version=3)
 with open(out + ".tmp", "wb") as f:
     pickle.dump(handle, f)
@@ -519,11 +520,17 @@ def test_p2p_from_two_sharded_ranks_to_two_receivers_moves_each_byte_once(tmp_pa
     assert sent == {r: 2 * parts[r] for r in (0, 1)}
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_p2p_combine_needs_every_rank_once_and_a_rank_may_hold_nothing():
     from miles_sync import P2PSync, combine
     from miles_sync.transports.p2p import P2PSender
 
-    config = P2PSync(master_port=1, timeout_s=1)  # no group forms here: the senders fail in the background
+    config = P2PSync(master_port=free_port(), timeout_s=1)  # no receiver joins: the senders fail in the background
     rank0, rank1 = (P2PSender(config, rank=r, num_senders=2) for r in (0, 1))
     held = rank0.publish(sample_weights(), weight_version=4)
     empty = rank1.publish([], weight_version=4)  # a rank that holds nothing (a backend that gathers on rank 0)
@@ -534,7 +541,80 @@ def test_p2p_combine_needs_every_rank_once_and_a_rank_may_hold_nothing():
     assert whole.parts == held.parts and whole.fingerprint == weight_fingerprint(sample_weights())
     assert whole.pieces is None  # every tensor whole on one rank
     with pytest.raises(ValueError, match="refusing to publish an empty weight version"):
-        P2PSender(config).publish([], weight_version=1)  # alone, a rank must hold something
+        P2PSender(P2PSync()).publish([], weight_version=1)  # alone, a rank must hold something
     for sender in (rank0, rank1):
         with pytest.raises(RuntimeError, match=r"p2p transport: rank \d: sending failed"):
             sender.wait()
+    # a tensor sent whole by two ranks would cross the wire twice: refused when the parts are combined
+    twice = [P2PSender(config, rank=r, num_senders=2) for r in (0, 1)]
+    handles = [s.publish(sample_weights(), weight_version=5) for s in twice]
+    with pytest.raises(ValueError, match="rank 1 sends .* which another rank sends too"):
+        combine(handles)
+    for sender in twice:
+        with pytest.raises(RuntimeError):
+            sender.wait()
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "p2p"])
+def test_a_group_sender_holds_its_port_from_publish_and_a_taken_port_fails_the_publish(transport):
+    """The rendezvous port is bound inside publish, before the handle names it (no other process can take it
+    in between); a fixed port that is taken fails publish itself, naming the address."""
+    sender = build_sender(sync_config(transport=transport, timeout_s=1), receiver_ranks=1)
+    handle = sender.publish(sample_weights(), weight_version=1)
+    with socket.socket() as sock, pytest.raises(OSError):
+        sock.bind(("127.0.0.1", handle.group.master_port))  # held by the sender's store
+    assert re.fullmatch(r"miles-(weights|p2p)-[0-9a-f]{8}-v1", handle.group.group_name)  # unique per version
+    with pytest.raises(RuntimeError, match="sending failed"):
+        sender.wait()  # nobody joined within timeout_s
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        blocked = build_sender(sync_config(transport=transport, master_port=port, timeout_s=1), receiver_ranks=1)
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            blocked.publish(sample_weights(), weight_version=1)
+
+
+def test_a_p2p_receiver_posts_at_most_the_window_and_keeps_each_senders_order(monkeypatch):
+    """Receives go out ahead, at most `max_buckets_in_flight` at once (the bytes a receiver allocates, on its GPU
+    with NCCL, stay bounded), the senders' first buckets first, each sender's buckets in its own order (NCCL
+    matches a pair's calls in order)."""
+    from miles_sync.transports import p2p
+    from miles_sync.types import P2PHandle, Rendezvous, SenderPart
+
+    posted: list[tuple[int, int]] = []
+    outstanding = {"now": 0, "most": 0}
+
+    class Work:
+        def wait(self) -> None:
+            outstanding["now"] -= 1
+
+    class Recorder:
+        def __init__(self, r, rank, store=None) -> None:
+            pass
+
+        def irecv(self, tensor, src, tag):
+            posted.append((src, tag))
+            outstanding["now"] += 1
+            outstanding["most"] = max(outstanding["most"], outstanding["now"])
+            return Work()
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(p2p, "_Group", Recorder)
+    bucket = lambda i: [(f"t{i}", "float32", [2], f"t{i}", 0, [2])]  # noqa: E731
+    parts = [
+        SenderPart(rank=r, layout=[bucket(f"{r}{b}") for b in range(n)], num_bytes=8 * n, digests={})
+        for r, n in ((0, 3), (1, 2))
+    ]
+    group = Rendezvous(master_address="x", master_port=1, group_name="g", world_size=3, backend="gloo", timeout_s=1)
+    handle = P2PHandle(
+        weight_version=1, num_tensors=5, num_bytes=40, num_buckets=5, fingerprint="f", group=group, num_senders=2,
+        parts=parts, max_buckets_in_flight=2,
+    )  # fmt: skip
+    names = [n for bucket in p2p.read(handle) for n, _ in bucket]
+    assert posted == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+    assert outstanding["most"] == 2 and sorted(names) == sorted(
+        f"t{r}{b}" for r, n in ((0, 3), (1, 2)) for b in range(n)
+    )

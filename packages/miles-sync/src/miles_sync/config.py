@@ -146,11 +146,14 @@ class TensorSync(SyncBase):
     keep_versions: int = Field(2, ge=1, description="How many published versions stay readable.")
 
 
-class BroadcastSync(SyncBase):
-    """broadcast: torch.distributed broadcast from the trainer's rank 0 to every engine rank."""
+class GroupSync(SyncBase):
+    """Fields of the transports whose versions travel in a torch.distributed group (`broadcast`, `p2p`)."""
 
-    transport: Literal["broadcast"] = "broadcast"
-    master_address: str = Field("127.0.0.1", description="Address the trainer's rank 0 listens on.")
+    master_address: str = Field(
+        "127.0.0.1",
+        description="Address the trainer's rank 0 listens on and the other ranks connect to; 0.0.0.0: every "
+        "interface, advertising this host's address (receivers or trainer ranks on other nodes).",
+    )
     master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port; a free port when None.")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend; auto is nccl with a GPU, gloo without."
@@ -158,17 +161,23 @@ class BroadcastSync(SyncBase):
     timeout_s: float = Field(300.0, gt=0, description="How long to wait for receivers to join or take a bucket.")
 
 
-class P2PSync(SyncBase):
+class BroadcastSync(GroupSync):
+    """broadcast: torch.distributed broadcast from the trainer's rank 0 to every engine rank."""
+
+    transport: Literal["broadcast"] = "broadcast"
+
+
+class P2PSync(GroupSync):
     """p2p: every trainer rank sends the tensors (or row shards) it holds straight to each receiving rank, over
     torch.distributed point-to-point calls; no gather on rank 0."""
 
     transport: Literal["p2p"] = "p2p"
-    master_address: str = Field("127.0.0.1", description="Address the trainer's rank 0 listens on.")
-    master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port; a free port when None.")
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="Process-group backend; auto is nccl with a GPU, gloo without."
+    max_buckets_in_flight: int = Field(
+        8,
+        ge=1,
+        description="How many buckets a receiving rank has receives posted for at once, across senders: at most "
+        "that many buckets' bytes are allocated there at a time (on its GPU with NCCL).",
     )
-    timeout_s: float = Field(300.0, gt=0, description="How long to wait for receivers to join or take a bucket.")
 
     @model_validator(mode="after")
     def _p2p_sends_values(self) -> Self:

@@ -8,7 +8,7 @@ handles. On GPU the same reducers produce CUDA IPC handles for CUDA tensors.
 On CPU the sharing strategy must be `file_system`: with `file_descriptor` a payload holds file descriptors that
 only travel over a Unix socket, and an HTTP receiver such as SGLang rejects it. `file_system` storages are files
 under /dev/shm; torch reference-counts them, but every pickling adds a reference that only an unpickling takes
-back, so whoever shares must release what nobody read (`release_shared`).
+back, so whoever shares must release what nobody read (`release_files`).
 """
 
 from __future__ import annotations
@@ -60,18 +60,14 @@ def shm_file(tensor: torch.Tensor) -> str | None:
     return name.decode() if isinstance(name, bytes) else name
 
 
-def release_shared(buckets: list[list[NamedTensor]]) -> None:
-    """Free tensors this process put in shared memory, including files that unread payloads still pin.
+def release_files(buckets: list[list[NamedTensor]], files: list[str]) -> None:
+    """Free tensors this process put in shared memory, including `files` that unread payloads still pin.
 
     The tensors are dropped first: torch unlinks a file itself when its last reference goes, and aborts the
     process if the file is already gone then. Only files that survive (a payload nobody read keeps a
-    reference) are unlinked here; processes that mapped them keep their memory.
+    reference) are unlinked here; processes that mapped them keep their memory, but one that reads a payload
+    of an unlinked file fails, so a file another process may still read must not be passed here.
     """
-    files = [f for bucket in buckets for _, t in bucket if (f := shm_file(t))]
-    release_files(buckets, files)
-
-
-def release_files(buckets: list[list[NamedTensor]], files: list[str]) -> None:
     for bucket in buckets:
         bucket.clear()
     buckets.clear()

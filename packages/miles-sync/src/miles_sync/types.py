@@ -123,6 +123,8 @@ class P2PHandle(WeightHandle):
     group: Rendezvous
     num_senders: int
     parts: list[SenderPart] = field(repr=False)
+    max_buckets_in_flight: int = 8
+    """How many buckets a receiving rank has receives posted for at once (`sync.max_buckets_in_flight`)."""
 
 
 AnyHandle = Union[InprocHandle, DiskHandle, TensorHandle, BroadcastHandle, P2PHandle]  # noqa: UP007

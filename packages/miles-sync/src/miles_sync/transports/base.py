@@ -71,6 +71,7 @@ class BucketedSender:
             num_buckets += 1
         if num_tensors == 0 and not self._may_hold_nothing():
             raise ValueError("publish() got no tensors: refusing to publish an empty weight version")
+        self._digests = fp.digests  # of every tensor published (and, with a base version, the unchanged ones)
         handle = self._finish(
             {
                 "weight_version": weight_version,

@@ -4,9 +4,11 @@ A trainer rank publishes the tensors it holds: whole tensors, or the row shards 
 dimension 0 (FSDP2's `Shard(0)` DTensors, which it reads itself; a replicated DTensor is sent by its first mesh
 rank only). Each rank's `publish` returns a handle with its own part (`SenderPart`: its buckets' layouts and its
 pieces' digests); `combine` merges the ranks' handles into the one the engines receive. A fresh group per version
-holds the senders (ranks 0..S-1, rank 0 hosting the rendezvous store) and the receivers (ranks S..S+R-1); every
-sender posts one point-to-point send per bucket and receiver at once (`isend`; the buckets are in flight
-concurrently) and a receiver posts the matching receives, then puts the shards of each tensor together.
+holds the senders (ranks 0..S-1, rank 0 hosting the rendezvous store, opened inside `publish` and shared with the
+other sender ranks in one collective) and the receivers (ranks S..S+R-1); every sender posts one point-to-point
+send per bucket and receiver at once (`isend`; the buckets are in flight concurrently) and a receiver posts the
+matching receives ahead, the senders' first buckets first and at most `max_buckets_in_flight` at a time (the
+bytes it allocates stay bounded), then puts the shards of each tensor together.
 
 Each byte crosses once per receiver: a sender's bytes on the wire are its own pieces' bytes times the receivers
 (`bytes_sent`, measured as handed to the send calls). The fingerprint hashes each piece under its key
@@ -20,10 +22,9 @@ on a GPU here). RDMA through Mooncake's Transfer Engine is not built: its packag
 
 from __future__ import annotations
 
-import socket
-import threading
+import itertools
+from collections import deque
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,17 +32,20 @@ import torch
 from miles_sync.config import P2PSync
 from miles_sync.fingerprint import Fingerprinter, piece_name
 from miles_sync.protocol import LoadsTensors
-from miles_sync.transports.base import BucketedSender
-from miles_sync.transports.broadcast import dtype_name, flatten, join_group
+from miles_sync.transports.group import (
+    GroupSender,
+    advertised,
+    dtype_name,
+    flatten,
+    gloo_group,
+    group_name,
+    join_group,
+    listen,
+    nbytes,
+)
 from miles_sync.types import NamedTensor, NamedTensors, P2PHandle, PieceLayout, Rendezvous, SenderPart
 
 NAME = "p2p"
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 def _default_group() -> tuple[int, int]:
@@ -87,24 +91,11 @@ def local_pieces(named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tenso
 
 
 class _Group:
-    """One rank of a version's point-to-point group."""
+    """One rank of a version's point-to-point group (rank 0 passes the store it listens on)."""
 
-    def __init__(self, r: Rendezvous, rank: int) -> None:
+    def __init__(self, r: Rendezvous, rank: int, store: Any = None) -> None:
         self.backend = r.backend
-        if r.backend == "gloo":
-            from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
-
-            timeout = timedelta(seconds=r.timeout_s)
-            store = TCPStore(
-                r.master_address, r.master_port, r.world_size, is_master=rank == 0, timeout=timeout,
-                wait_for_workers=False,
-            )  # fmt: skip
-            self._store = store  # rank 0 serves the rendezvous as long as the group lives
-            self._pg: Any = ProcessGroupGloo(PrefixStore(r.group_name, store), rank, r.world_size, timeout)
-        else:
-            self._pg = join_group(
-                r.master_address, r.master_port, r.world_size, rank, r.group_name, r.backend, r.timeout_s
-            )
+        self._pg = gloo_group(r, rank, store) if r.backend == "gloo" else join_group(r, rank, store)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         if self.backend == "gloo":
@@ -121,30 +112,25 @@ class _Group:
             torch.distributed.destroy_process_group(self._pg)
 
 
-class P2PSender(BucketedSender):
+class P2PSender(GroupSender):
     """One trainer rank's sender: `rank` of `num_senders` (the torch.distributed world's, by default)."""
 
     name = NAME
     from_every_rank = True
+    config: P2PSync
 
     def __init__(
         self, config: P2PSync, receiver_ranks: int = 1, rank: int | None = None, num_senders: int | None = None
     ) -> None:
         super().__init__(config, receiver_ranks)
-        if receiver_ranks < 1:
-            raise ValueError(f"p2p transport: receiver_ranks must be at least 1, got {receiver_ranks}")
         world_rank, world_size = _default_group()
         self.rank = world_rank if rank is None else rank
         self.num_senders = world_size if num_senders is None else num_senders
-        self.backend = config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         self.bytes_sent = 0  # of the last version, as handed to the send calls
-        self._thread: threading.Thread | None = None
-        self._num_buckets = 0
-        self._error: BaseException | None = None
 
     def publish(self, named_tensors: NamedTensors, weight_version: int) -> P2PHandle:
         """Publish the tensors this rank holds (whole, or DTensor row shards); collective over the trainer ranks
-        when they must agree on a port."""
+        when they must agree on the rendezvous."""
         self._meta: dict[str, tuple[str, int, list[int]]] = {}
 
         def keyed() -> Iterator[NamedTensor]:
@@ -159,29 +145,69 @@ class P2PSender(BucketedSender):
     def _may_hold_nothing(self) -> bool:
         return self.num_senders > 1  # another rank may hold every tensor (a backend that gathers on rank 0)
 
+    def _who(self) -> str:
+        return f"rank {self.rank}: "
+
     def _begin(self, weight_version: int) -> None:
-        self.wait()  # one version at a time on the wire
-        self._port = self._agree_on_port()
+        try:
+            self.wait()  # one version at a time on the wire
+            error: BaseException | None = None
+        except Exception as exc:  # raised after the ranks met, so no rank waits for one that left
+            error = exc
+        self._rendezvous = self._agree(weight_version, error)
         self._flats: list[torch.Tensor] = []
         self._layout: list[PieceLayout] = []
-        self._digests = Fingerprinter()
 
-    def _agree_on_port(self) -> int:
-        if self.config.master_port:
-            return self.config.master_port
-        port = _free_port(self.config.master_address) if self.rank == 0 else 0
-        if self.num_senders > 1:
-            import torch.distributed as dist
+    def _agree(self, weight_version: int, error: BaseException | None) -> Rendezvous:
+        """The version's rendezvous, chosen by rank 0 (which opens its store now). In a torch.distributed world rank
+        0 shares it in one collective that also tells every rank whether any rank failed; outside one (a fixed
+        `master_port`) every rank derives the same one from the config."""
+        c = self.config
+        import torch.distributed as dist
 
-            if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError(
-                    f"p2p transport: {self.num_senders} sender ranks must agree on a rendezvous port: set "
-                    "sync.master_port, or publish from ranks of an initialized torch.distributed world"
+        in_world = self.num_senders > 1 and dist.is_available() and dist.is_initialized()
+        if self.num_senders > 1 and not in_world and not c.master_port:
+            error = error or ValueError(
+                f"p2p transport: {self.num_senders} sender ranks must agree on a rendezvous: set sync.master_port, "
+                "or publish from the ranks of an initialized torch.distributed world"
+            )
+        if self.rank == 0 and error is None:
+            try:
+                self._store = listen(
+                    c.master_address, c.master_port, self.num_senders + self.receiver_ranks, c.timeout_s
                 )
-            box = [port]
-            dist.broadcast_object_list(box, src=0)
-            port = box[0]
-        return port
+            except Exception as exc:
+                error = exc
+        mine = None
+        if error is None and (self.rank == 0 or not in_world):
+            mine = Rendezvous(
+                master_address=advertised(c.master_address),
+                master_port=self._store.port if self.rank == 0 else c.master_port,
+                group_name=(
+                    group_name("miles-p2p", weight_version)  # rank 0 names it (alone, or shared in the world)
+                    if in_world or self.num_senders == 1
+                    else f"miles-p2p-{c.master_port}-v{weight_version}"  # the fixed port keeps versions apart
+                ),
+                world_size=self.num_senders + self.receiver_ranks,
+                backend=self.backend,
+                timeout_s=c.timeout_s,
+            )
+        if not in_world:
+            if error is not None:
+                raise error
+            assert mine is not None
+            return mine
+        every: list[Any] = [None] * self.num_senders
+        dist.all_gather_object(every, (mine, None if error is None else f"{type(error).__name__}: {error}"))
+        if error is not None:
+            self._store = None
+            raise error
+        failed = [(rank, why) for rank, (_, why) in enumerate(every) if why is not None]
+        if failed:
+            self._store = None
+            rank, why = failed[0]
+            raise RuntimeError(f"p2p transport: weight version {weight_version}: rank {rank} failed: {why}")
+        return every[0][0]
 
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
         # Widest elements first, so each piece starts at a multiple of its element size in the flat bytes; the
@@ -191,34 +217,28 @@ class P2PSender(BucketedSender):
         for key, tensor in bucket:
             name, start, full = self._meta[key]
             layout.append((key, dtype_name(tensor.dtype), list(tensor.shape), name, start, full))
-            self._digests.add(key, tensor)  # the same digest the base's fingerprint took
         self._flats.append(flatten(bucket))
         self._layout.append(layout)
 
     def _finish(self, common: dict) -> P2PHandle:
-        rendezvous = Rendezvous(
-            master_address=self.config.master_address,
-            master_port=self._port,
-            group_name=f"miles-p2p-{self._port}-v{common['weight_version']}",
-            world_size=self.num_senders + self.receiver_ranks,
-            backend=self.backend,
-            timeout_s=self.config.timeout_s,
-        )
-        part = SenderPart(
-            rank=self.rank, layout=self._layout, num_bytes=common["num_bytes"], digests=self._digests.digests
-        )
-        flats, self._error, self.bytes_sent = self._flats, None, 0
-        self._num_buckets = len(flats)
-        self._thread = threading.Thread(target=self._send, args=(rendezvous, flats), name="miles-p2p", daemon=True)
-        self._thread.start()
+        rendezvous = self._rendezvous
+        # p2p sends whole versions (no delta), so the base's digests are exactly this rank's pieces'.
+        part = SenderPart(rank=self.rank, layout=self._layout, num_bytes=common["num_bytes"], digests=self._digests)
+        flats, self.bytes_sent = self._flats, 0
+        self._start(self._send, len(flats), rendezvous, flats, self._store)
         names = {entry[3] for bucket in self._layout for entry in bucket}
         common = {**common, "num_tensors": len(names), "pieces": _pieces([part])}
-        return P2PHandle(**common, group=rendezvous, num_senders=self.num_senders, parts=[part])
+        return P2PHandle(
+            **common,
+            group=rendezvous,
+            num_senders=self.num_senders,
+            parts=[part],
+            max_buckets_in_flight=self.config.max_buckets_in_flight,
+        )
 
-    def _send(self, r: Rendezvous, flats: list[torch.Tensor]) -> None:
-        group = None
+    def _send(self, r: Rendezvous, flats: list[torch.Tensor], store: Any) -> None:
+        group = _Group(r, self.rank, store)
         try:
-            group = _Group(r, self.rank)
             if self.backend == "nccl":
                 flats = [flat.cuda() for flat in flats]
             works = []
@@ -228,26 +248,8 @@ class P2PSender(BucketedSender):
                     self.bytes_sent += flat.numel()
             for work in works:
                 work.wait()
-        except BaseException as exc:  # reported by wait()
-            self._error = exc
         finally:
-            if group is not None:
-                group.close()
-
-    def wait(self) -> None:
-        """Block until every receiver took this rank's buckets; raise the sending error if any."""
-        timeout_s = self.config.timeout_s * (1 + self._num_buckets)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise TimeoutError(f"p2p transport: receivers did not take rank {self.rank}'s weights in {timeout_s} s")
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"p2p transport: rank {self.rank}: sending failed: {error}") from error
-
-    def close(self) -> None:
-        self.wait()
+            group.close()
 
 
 Sender = P2PSender
@@ -278,6 +280,12 @@ def combine(handles: list[P2PHandle]) -> P2PHandle:
         raise ValueError("publish() got no tensors on any rank: refusing to publish an empty weight version")
     digests: dict[str, bytes] = {}
     for part in parts:
+        twice = sorted(set(part.digests) & set(digests))
+        if twice:
+            raise ValueError(
+                f"p2p transport: weight version {first.weight_version}: rank {part.rank} sends {twice[:3]}, which "
+                "another rank sends too; a tensor held whole on several ranks must be exported by one of them"
+            )
         digests.update(part.digests)
     names = {entry[3] for part in parts for bucket in part.layout for entry in bucket}
     return P2PHandle(
@@ -292,30 +300,48 @@ def combine(handles: list[P2PHandle]) -> P2PHandle:
         group=first.group,
         num_senders=first.num_senders,
         parts=parts,
+        max_buckets_in_flight=first.max_buckets_in_flight,
     )
 
 
+def _in_turn(parts: list[SenderPart]) -> Iterator[tuple[int, int, PieceLayout]]:
+    """(sender rank, tag, layout) of every bucket, the senders' first buckets first: each sender's buckets stay in
+    the order it posts them (NCCL matches a pair's calls in order) and every sender is drained at once."""
+    for tag in range(max((len(p.layout) for p in parts), default=0)):
+        for part in parts:
+            if tag < len(part.layout):
+                yield part.rank, tag, part.layout[tag]
+
+
 def read(handle: P2PHandle, index: int = 0) -> Iterator[list[NamedTensor]]:
-    """Join the group as receiver `index` (rank `num_senders + index`), take every sender's buckets (all receives
-    posted at once) and yield, per bucket taken, the whole tensors it completed (shards put together)."""
+    """Join the group as receiver `index` (rank `num_senders + index`), take every sender's buckets and yield, per
+    bucket taken, the whole tensors it completed (shards put together). Receives are posted ahead, at most
+    `max_buckets_in_flight` buckets at once, so the bytes allocated here stay bounded (on the GPU with NCCL)."""
     if any(p.rank >= handle.num_senders for p in handle.parts):
         raise ValueError(f"p2p handle for weight version {handle.weight_version} names a sender past its senders")
     group = _Group(handle.group, handle.num_senders + index)
     device = "cuda" if handle.group.backend == "nccl" else "cpu"
     try:
-        pending = []
-        for part in handle.parts:
-            for tag, layout in enumerate(part.layout):
-                size = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape, *_ in layout)
-                flat = torch.empty(size, dtype=torch.uint8, device=device)
-                pending.append((group.irecv(flat, part.rank, tag), flat, layout))
+        todo = _in_turn(handle.parts)
+        pending: deque[tuple[Any, torch.Tensor, PieceLayout]] = deque()
+
+        def post() -> None:
+            for rank, tag, layout in itertools.islice(todo, handle.max_buckets_in_flight - len(pending)):
+                flat = torch.empty(
+                    sum(nbytes(d, shape) for _, d, shape, *_ in layout), dtype=torch.uint8, device=device
+                )
+                pending.append((group.irecv(flat, rank, tag), flat, layout))
+
         partial: dict[str, tuple[torch.Tensor, int]] = {}  # a tensor being put together, rows still missing
-        for work, flat, layout in pending:
+        post()
+        while pending:
+            work, flat, layout = pending.popleft()
             work.wait()
+            post()  # the next bucket's receive goes out before this one is unpacked
             flat, offset, done = flat.cpu(), 0, []
             for key, dtype, shape, name, start, full in layout:
                 dt = getattr(torch, dtype)
-                size = torch.Size(shape).numel() * dt.itemsize
+                size = nbytes(dtype, shape)
                 piece = flat[offset : offset + size].view(dt).reshape(shape)
                 offset += size
                 if key == name:

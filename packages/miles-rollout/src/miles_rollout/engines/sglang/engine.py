@@ -218,4 +218,6 @@ class SGLangEngine:
         for slot in self.slots:
             if slot.server is not None:
                 slot.server.stop()
+        if (weights := getattr(self, "_weights", None)) is not None:  # None: the engine failed to start
+            weights.release_pinned()
         self._calls.close()

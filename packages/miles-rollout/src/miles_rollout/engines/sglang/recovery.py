@@ -20,6 +20,7 @@ def recover(
         if slot.restarts >= config.max_restarts:
             raise RuntimeError(f"gave up after {slot.restarts} restarts; log {slot.server.log_path}")
         slot.server.stop()  # reap what is left of its process group
+        weights.server_gone(slot)  # its shared files of a failed load can go now
         slot.restarts += 1
         slot.note(f"restarting (restart {slot.restarts} of at most {config.max_restarts})")
         slot.server = launch(slot.index)

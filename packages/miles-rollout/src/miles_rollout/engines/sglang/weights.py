@@ -62,6 +62,7 @@ class WeightLoader:
         self.wire_dtype: str | None = None  # of the last push: the dtype the fingerprint names
         self.pieces: dict | None = None  # of the last push: the row ranges its senders held (several senders)
         self.held_version = 0  # what the servers hold before a load (a delta push must be based on it)
+        self._pinned: dict[int, list[str]] = {}  # per server that failed a load: shared files it may still map
         self.set_current(initial)
 
     def attach(self, router: Router, pause: PauseControl) -> None:
@@ -149,7 +150,7 @@ class WeightLoader:
     def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:
         """Hand the tensors to every server as shared-memory handles: tensors already in shared memory (mapped
         from a `tensor` push) as they are, others through one copy into shared memory, freed after the load."""
-        from miles_sync.shared import into_shared, release_files, shm_file, use_file_system_sharing
+        from miles_sync.shared import into_shared, shm_file, use_file_system_sharing
 
         use_file_system_sharing()
         received = list(buckets)
@@ -160,6 +161,7 @@ class WeightLoader:
             for (_, s), (_, t) in zip(mine, theirs, strict=True)
             if s is not t and (f := shm_file(s))
         ]
+        admitted = [s for s in self.slots if s.admitted]
         try:
             # The version kept here must outlive the sender's shared memory: mapped tensors are copied.
             self._accept(handle, [(n, t.clone() if t.is_shared() else t) for bucket in received for n, t in bucket])
@@ -170,7 +172,35 @@ class WeightLoader:
                 "tensor update",
             )
         finally:
-            release_files(shared, copies)  # our references go first, then the files of our copies
+            self._release(shared, copies, [s for s in admitted if not s.admitted])
+
+    def _release(self, shared: list[list[NamedTensor]], files: list[str], failed: list[Slot]) -> None:
+        """Drop our references to a load's shared tensors and unlink the files of our copies, unless a server
+        failed during the load: it may still map them (or read a payload later), and torch aborts a process
+        whose shared file vanished under it. Those files stay until that server's process is gone
+        (`server_gone`, or `release_pinned` at shutdown)."""
+        from miles_sync.shared import release_files
+
+        if not failed:
+            release_files(shared, files)  # our references go first, then the files of our copies
+            return
+        release_files(shared, [])
+        for slot in failed:
+            self._pinned.setdefault(slot.index, []).extend(files)
+            slot.note(f"keeps {len(files)} shared-memory files of a failed load until its process is gone")
+
+    def server_gone(self, slot: Slot) -> None:
+        """`slot`'s server process is gone (restarted or stopped): unlink the shared files it might have held."""
+        from miles_sync.shared import release_files
+
+        files = self._pinned.pop(slot.index, [])
+        held = {f for other in self._pinned.values() for f in other}  # another failed server may hold them too
+        release_files([], [f for f in files if f not in held])
+
+    def release_pinned(self) -> None:
+        """Every server stopped: unlink what failed loads left (`_release`)."""
+        for slot in self.slots:
+            self.server_gone(slot)
 
     def load_buckets(self, slot: Slot, buckets: list[list[NamedTensor]], version: int) -> None:
         """`/update_weights_from_tensor` per bucket, inside `/begin_weight_update` … `/end_weight_update`."""
@@ -191,14 +221,17 @@ class WeightLoader:
 
     def load_current(self, slot: Slot, version: int) -> None:
         """Push the current version from this process's copy, through shared memory (recovery)."""
-        from miles_sync.shared import release_shared, use_file_system_sharing
+        from miles_sync.shared import into_shared, shm_file, use_file_system_sharing
 
         use_file_system_sharing()
-        shared = [(name, tensor.clone().share_memory_()) for name, tensor in self.current]
+        shared = [(name, into_shared(tensor)) for name, tensor in self.current]
+        files = [f for _, t in shared if (f := shm_file(t))]
+        failed = [slot]  # until the load returns: a server that failed it may still read the files
         try:
             self.load_buckets(slot, [shared], version)
+            failed = []
         finally:
-            release_shared([shared])
+            self._release([shared], files, failed)
 
     def receiver_ranks(self) -> int:
         """Ranks this engine takes in a collective weight group: itself (the verifier) and every server rank."""
