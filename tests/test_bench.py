@@ -175,3 +175,15 @@ def test_real_model_bench_compares_the_three_configurations(tmp_path):
     # after the first push, the old rule's trainer runs weights the bf16 engine never saw: a larger difference
     after_push = [float(column.split("/")[1]) for column in (before[2], pushed[2])]
     assert after_push[0] > 2 * after_push[1], after_push
+
+
+def test_disk_compression_bench_reports_plain_and_zstd_whole_and_delta(tmp_path):
+    report = run_bench("disk_compression.py", tmp_path, needs_sglang=False)
+    ratio = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in ("none", "zstd"):
+            ratio[cells[0], cells[1]] = float(cells[3])
+    assert set(ratio) == {(c, p) for c in ("none", "zstd") for p in ("whole", "delta")}
+    assert ratio["none", "whole"] == 1.0 and ratio["none", "delta"] == pytest.approx(0.5, abs=0.01)  # half moved
+    assert ratio["zstd", "whole"] < 0.85 and ratio["zstd", "delta"] < 0.5  # byte-shuffled bf16 compresses

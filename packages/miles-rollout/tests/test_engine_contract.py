@@ -4,6 +4,7 @@ import asyncio
 import importlib.util
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from miles_rollout import FinishReason, GenerateRequest, HFEngineConfig, RolloutEngine, SamplingParams, build_engine
 from miles_rollout.config import SGLangEngineConfig
-from miles_sync import DiskSync, build_sender, sync_config, weight_fingerprint
+from miles_sync import DiskSync, build_sender, read_buckets, sync_config, weight_fingerprint
 
 ENGINE_CONFIGS = {"hf": HFEngineConfig()}
 if importlib.util.find_spec("sglang") is not None:
@@ -195,12 +196,18 @@ def test_every_transport_loads_and_passes_the_equality_check(engine, tiny_model_
         sender.close()
 
 
-@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
-def test_a_delta_push_sends_only_what_changed_and_the_engine_holds_the_whole_version(engine, tiny_model_dir, transport):
-    """sync.delta: after a step that froze half the tensors, only the other half travels (bytes counted), and the
-    engine's fingerprint (SGLang: verified against every server's checksums) is that of the whole new version."""
+@pytest.mark.parametrize("transport", ["tensor", "broadcast", "disk"])
+def test_a_delta_push_sends_only_what_changed_and_the_engine_holds_the_whole_version(
+    engine, tiny_model_dir, transport, tmp_path
+):
+    """sync.delta: after a step that froze half the tensors, only the other half travels (bytes counted; on disk,
+    compressed, the version folder holds only them), and the engine's fingerprint (SGLang: verified against every
+    server's checksums) is that of the whole new version."""
     weights = new_weights(tiny_model_dir)
-    extra = {"timeout_s": 60} if transport == "broadcast" else {}
+    extra = {
+        "broadcast": {"timeout_s": 60},
+        "disk": {"dir": str(tmp_path / "w"), "compression": "zstd"},
+    }.get(transport, {})
     config = sync_config(transport=transport, bucket_bytes=8192, delta=True, **extra)
     sender = build_sender(config, receiver_ranks=engine.receiver_ranks())
     try:
@@ -214,6 +221,11 @@ def test_a_delta_push_sends_only_what_changed_and_the_engine_holds_the_whole_ver
         assert second.base_version == 1 and second.num_tensors == len(moving)
         assert second.unchanged_tensors == len(weights) - len(moving)
         assert second.num_bytes == sum(t.numel() * t.element_size() for n, t in moved if n in moving)
+        if transport == "disk":
+            written = {n for bucket in read_buckets(second) for n, _ in bucket}
+            assert written == moving
+            on_disk = [sum(f.stat().st_size for f in Path(h.location).glob("bucket-*")) for h in (first, second)]
+            assert on_disk[1] / on_disk[0] < 1.2 * second.num_bytes / first.num_bytes < 1.2  # only they are written
         assert engine.receive(second) == second.fingerprint == weight_fingerprint(moved)
         sender.wait()
         assert engine.weight_version == 2 and engine.weight_fingerprint() == weight_fingerprint(moved)

@@ -63,10 +63,12 @@ class InprocHandle(WeightHandle):
 
 @dataclass(frozen=True, kw_only=True)
 class DiskHandle(WeightHandle):
-    """disk: the version folder (safetensors buckets and a manifest)."""
+    """disk: the version folder (safetensors or zstd buckets and a manifest)."""
 
     transport: Literal["disk"] = "disk"
     location: str
+    compression: str = "none"
+    """How the buckets are written (`sync.compression`): none (safetensors files a server can read) or zstd."""
 
 
 @dataclass(frozen=True, kw_only=True)
