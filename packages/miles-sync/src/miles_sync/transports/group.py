@@ -75,7 +75,14 @@ def advertised(address: str) -> str:
     """The address receivers connect to: `address`, or this host's when it is a wildcard."""
     if address not in WILDCARD:
         return address
-    return socket.gethostbyname(socket.gethostname())
+    own = socket.gethostbyname(socket.gethostname())
+    if own.startswith("127."):
+        raise ValueError(
+            f"sync.master_address: {address!r} advertises this host's address, but its name "
+            f"{socket.gethostname()!r} resolves to {own} (loopback), which other nodes cannot reach; set "
+            "sync.master_address to an address of this host that they reach"
+        )
+    return own
 
 
 def listen(address: str, port: int | None, world_size: int, timeout_s: float) -> Any:
@@ -84,10 +91,9 @@ def listen(address: str, port: int | None, world_size: int, timeout_s: float) ->
     from torch.distributed import TCPStore
 
     timeout = timedelta(seconds=timeout_s)
+    host = advertised(address)
     try:
-        return TCPStore(
-            advertised(address), port or 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
+        return TCPStore(host, port or 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     except Exception as exc:
         raise RuntimeError(f"weight group: cannot listen on {address}:{port or 'a free port'}: {exc}") from exc
 

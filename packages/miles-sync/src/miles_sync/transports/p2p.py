@@ -57,17 +57,19 @@ def _default_group() -> tuple[int, int]:
     return 0, 1
 
 
-def local_pieces(named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor, str, int, list[int]]]:
-    """(key, the rows this rank holds, name, first row, full shape) per tensor this rank sends.
+def local_pieces(named_tensors: NamedTensors, rank: int = 0) -> Iterator[tuple[str, torch.Tensor, str, int, list[int]]]:
+    """(key, the rows this rank holds, name, first row, full shape) per tensor sender `rank` sends.
 
-    A plain tensor is held whole. A DTensor on a one-dimensional mesh is read as FSDP2 lays it out: `Shard(0)`
+    A plain tensor is held whole and sent by rank 0 only (a backend that gathers on rank 0 gives the other ranks
+    nothing; one that gives every rank a copy holds it replicated). A DTensor on a one-dimensional mesh is read as FSDP2 lays it out: `Shard(0)`
     gives this rank's rows (none: nothing to send), `Replicate()` is sent by mesh rank 0 only."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for name, tensor in named_tensors:
         if not isinstance(tensor, DTensor):
-            yield name, tensor, name, 0, list(tensor.shape)
+            if rank == 0:
+                yield name, tensor, name, 0, list(tensor.shape)
             continue
         full = list(tensor.shape)
         placements = tuple(tensor.placements)
@@ -134,11 +136,15 @@ class P2PSender(GroupSender):
         self._meta: dict[str, tuple[str, int, list[int]]] = {}
 
         def keyed() -> Iterator[NamedTensor]:
-            for key, local, name, start, full in local_pieces(named_tensors):
+            for key, local, name, start, full in local_pieces(named_tensors, self.rank):
                 self._meta[key] = (name, start, full)
                 yield key, local
 
-        handle = super().publish(keyed(), weight_version)
+        try:
+            handle = super().publish(keyed(), weight_version)
+        except BaseException:
+            self._store = None  # no group forms for this version; the other ranks' sends time out
+            raise
         assert isinstance(handle, P2PHandle)
         return handle
 
@@ -280,12 +286,6 @@ def combine(handles: list[P2PHandle]) -> P2PHandle:
         raise ValueError("publish() got no tensors on any rank: refusing to publish an empty weight version")
     digests: dict[str, bytes] = {}
     for part in parts:
-        twice = sorted(set(part.digests) & set(digests))
-        if twice:
-            raise ValueError(
-                f"p2p transport: weight version {first.weight_version}: rank {part.rank} sends {twice[:3]}, which "
-                "another rank sends too; a tensor held whole on several ranks must be exported by one of them"
-            )
         digests.update(part.digests)
     names = {entry[3] for part in parts for bucket in part.layout for entry in bucket}
     return P2PHandle(
@@ -337,8 +337,9 @@ def read(handle: P2PHandle, index: int = 0) -> Iterator[list[NamedTensor]]:
         while pending:
             work, flat, layout = pending.popleft()
             work.wait()
+            flat, offset, done = flat.cpu(), 0, []  # NCCL: off the GPU before the next receive is allocated
+            del work
             post()  # the next bucket's receive goes out before this one is unpacked
-            flat, offset, done = flat.cpu(), 0, []
             for key, dtype, shape, name, start, full in layout:
                 dt = getattr(torch, dtype)
                 size = nbytes(dtype, shape)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import torch
 from safetensors.torch import load_file
 
@@ -161,46 +162,66 @@ class WeightLoader:
             for (_, s), (_, t) in zip(mine, theirs, strict=True)
             if s is not t and (f := shm_file(s))
         ]
-        admitted = [s for s in self.slots if s.admitted]
+        outcome: dict[int, bool] = {}
         try:
             # The version kept here must outlive the sender's shared memory: mapped tensors are copied.
             self._accept(handle, [(n, t.clone() if t.is_shared() else t) for bucket in received for n, t in bucket])
             on_admitted(
                 self.slots,
                 self._parts()[0],
-                lambda s: self.load_buckets(s, shared, handle.weight_version),
+                lambda s: self._tracked(s, outcome, lambda: self.load_buckets(s, shared, handle.weight_version)),
                 "tensor update",
             )
         finally:
-            self._release(shared, copies, [s for s in admitted if not s.admitted])
+            self._release(shared, copies, outcome)
 
-    def _release(self, shared: list[list[NamedTensor]], files: list[str], failed: list[Slot]) -> None:
-        """Drop our references to a load's shared tensors and unlink the files of our copies, unless a server
-        failed during the load: it may still map them (or read a payload later), and torch aborts a process
-        whose shared file vanished under it. Those files stay until that server's process is gone
-        (`server_gone`, or `release_pinned` at shutdown)."""
+    def _tracked(self, slot: Slot, outcome: dict[int, bool], load: Callable[[], None]) -> None:
+        """Run a server's load, noting whether it answered (`outcome[index]`: True when it loaded, False when the
+        call broke off without an answer: a timeout or a reset, after which the server may still read the load's
+        shared files)."""
+        try:
+            load()
+        except httpx.TransportError:
+            outcome[slot.index] = False
+            raise
+        outcome[slot.index] = True
+
+    def _release(self, shared: list[list[NamedTensor]], files: list[str], outcome: dict[int, bool]) -> None:
+        """Drop our references to a load's shared tensors and unlink the files of our copies, unless a server's
+        call broke off without an answer: it may still map them (or read a payload later), and torch aborts a
+        process whose shared file vanished under it. Those files stay until that server has answered a later load
+        (weight updates run one at a time in a server) or its process is gone (`server_gone`, `release_pinned`)."""
         from miles_sync.shared import release_files
 
-        if not failed:
+        for index, loaded in outcome.items():
+            if loaded:
+                self._unpin(index)  # its earlier loads are over
+        unanswered = [s for s in self.slots if outcome.get(s.index) is False]
+        if not unanswered:
             release_files(shared, files)  # our references go first, then the files of our copies
             return
         release_files(shared, [])
-        for slot in failed:
+        for slot in unanswered:
             self._pinned.setdefault(slot.index, []).extend(files)
-            slot.note(f"keeps {len(files)} shared-memory files of a failed load until its process is gone")
+            slot.note(f"keeps {len(files)} shared-memory files of a load it did not answer until it answers again")
+
+    def _unpin(self, index: int) -> None:
+        from miles_sync.shared import release_files
+
+        files = self._pinned.pop(index, [])
+        held = {f for other in self._pinned.values() for f in other}  # another server may hold them too
+        release_files([], [f for f in files if f not in held])
 
     def server_gone(self, slot: Slot) -> None:
         """`slot`'s server process is gone (restarted or stopped): unlink the shared files it might have held."""
-        from miles_sync.shared import release_files
-
-        files = self._pinned.pop(slot.index, [])
-        held = {f for other in self._pinned.values() for f in other}  # another failed server may hold them too
-        release_files([], [f for f in files if f not in held])
+        self._unpin(slot.index)
 
     def release_pinned(self) -> None:
-        """Every server stopped: unlink what failed loads left (`_release`)."""
+        """Every server this engine launched stopped: unlink what unanswered loads left (`_release`). Files pinned
+        for a server attached by URL stay: it may still run."""
         for slot in self.slots:
-            self.server_gone(slot)
+            if slot.server is not None:
+                self.server_gone(slot)
 
     def load_buckets(self, slot: Slot, buckets: list[list[NamedTensor]], version: int) -> None:
         """`/update_weights_from_tensor` per bucket, inside `/begin_weight_update` … `/end_weight_update`."""
@@ -226,12 +247,11 @@ class WeightLoader:
         use_file_system_sharing()
         shared = [(name, into_shared(tensor)) for name, tensor in self.current]
         files = [f for _, t in shared if (f := shm_file(t))]
-        failed = [slot]  # until the load returns: a server that failed it may still read the files
+        outcome: dict[int, bool] = {}
         try:
-            self.load_buckets(slot, [shared], version)
-            failed = []
+            self._tracked(slot, outcome, lambda: self.load_buckets(slot, [shared], version))
         finally:
-            self._release([shared], files, failed)
+            self._release([shared], files, outcome)
 
     def receiver_ranks(self) -> int:
         """Ranks this engine takes in a collective weight group: itself (the verifier) and every server rank."""
