@@ -119,7 +119,9 @@ def test_demo_learns_under_int4_rollout_with_matching_qat(tmp_path):
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("transport", [pytest.param("tensor", marks=pytest.mark.extended), "broadcast"])
+# Both extended: a group transport runs through the loop into SGLang in the p2p test below, broadcast through the
+# runtime in tests/test_multinode.py, and every transport into SGLang in the engine contract suite.
+@pytest.mark.parametrize("transport", [pytest.param(t, marks=pytest.mark.extended) for t in ("tensor", "broadcast")])
 def test_sglang_transports_through_the_loop(tmp_path, transport):
     """Trainer and engine are separate Ray actors: shared memory and a gloo group cross that boundary."""
     pytest.importorskip("sglang", reason="SGLang is not installed")
