@@ -1,6 +1,6 @@
 """The architecture matrix, run as one process (tests/test_model_matrix.py starts it and reads its results).
 
-usage: python model_matrix.py OUT_JSON WORKDIR [ENGINE ...]
+usage: python model_matrix.py OUT_JSON WORKDIR [ENGINE[:FAMILY/DTYPE,...] ...]   (an engine alone: every cell)
        python model_matrix.py OUT_JSON WORKDIR --smollm2   (the real model, as shipped: tied, bf16)
 
 Tiny random-weight models built from the configs of the families users bring, saved in fp32 and in bf16,
@@ -186,18 +186,14 @@ def main() -> None:
             (model_dir, "hf-fp32", ["fsdp2"], "smollm2/hf-fp32", options),  # fp32 engines: nothing rounds
         ]
     else:
-        plan = [
-            (
-                build_model(family, dtype, workdir / f"{family}-{dtype}"),
-                engine,
-                BACKENDS,
-                f"{family}/{dtype}/{engine}",
-                {},
-            )
-            for engine in sys.argv[3:] or ENGINES
-            for family in FAMILIES
-            for dtype in DTYPES
-        ]
+        plan = []
+        for arg in sys.argv[3:] or ENGINES:
+            engine, _, cells = arg.partition(":")
+            wanted = cells.split(",") if cells else [f"{f}/{d}" for f in FAMILIES for d in DTYPES]
+            for cell in wanted:
+                family, dtype = cell.split("/")
+                model_dir = build_model(family, dtype, workdir / f"{family}-{dtype}")
+                plan.append((model_dir, engine, BACKENDS, f"{cell}/{engine}", {}))
     run_plan(plan, workdir, results)
     out.write_text(json.dumps(results, indent=1))
 

@@ -93,6 +93,7 @@ def test_trainer_bench_reports_every_backend_against_the_plain_loop(tmp_path):
     assert re.search(r"fsdp2 / plain loop: \*\*\d+\.\d+\*\*", report)
 
 
+@pytest.mark.extended  # each schedule runs end to end in tests/test_schedules.py; this checks the report's layout
 def test_schedule_bench_report_is_complete(tmp_path):
     """`miles bench schedules`, shortened: every section, every schedule, every plot (not speed)."""
     out = tmp_path / "bench"

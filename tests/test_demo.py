@@ -46,19 +46,21 @@ def check_weight_syncs(store: Store, job_id: int, num_steps: int, first: int = 1
 
 
 def test_short_demo_learns(tmp_path):
-    """On the default engine: sglang where it is installed (as in CI), else hf."""
-    steps = 60
+    """On the default engine: sglang where it is installed (as in CI), else hf. Measured on SGLang (seeded):
+    held-out accuracy 0.31 → 0.45 → 0.55 at steps 0, 10, 20, mean reward 0.18 over the first five steps and 0.27
+    over the last five (the demo goes on to 0.9; 20 steps keep CI short)."""
+    steps = 20
     result, store = miles_run(
-        tmp_path, f"schedule.num_steps={steps}", "schedule.stop_at_accuracy=null", "rollout.eval.every_steps=20"
+        tmp_path, f"schedule.num_steps={steps}", "schedule.stop_at_accuracy=null", "rollout.eval.every_steps=10"
     )
     job = store.job(1)
     assert job.status == "succeeded", job.error
     curve = dict(store.metric_series(1, "eval/accuracy"))
     start, end = curve[0], curve[steps]
-    # Seeded run; the margin is several times the eval noise (~0.02 std on 500 prompts).
-    assert end >= start + 0.15, curve
+    # The margin is several times the eval noise (~0.02 std on 500 prompts).
+    assert end >= start + 0.12, curve
     rewards = [v for _, v in store.metric_series(1, "rollout/reward_mean")]
-    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1, rewards
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.04, rewards
     check_weight_syncs(store, 1, steps)
     stages = {s.stage for s in store.spans(1)}
     assert {"rollout", "reward", "train", "weight_sync", "eval"} <= stages
@@ -84,6 +86,7 @@ def test_two_trainer_ranks_inproc_transport(tmp_path):
     assert {s.attrs["transport"] for s in store.spans(1, "weight_sync")} == {"inproc"}
 
 
+@pytest.mark.extended  # the hf engine: every schedule test and the two-rank inproc run use it; SGLang learns above
 def test_short_demo_on_the_hf_engine(tmp_path):
     steps = 20
     _, store = miles_run(
@@ -99,6 +102,9 @@ def test_short_demo_on_the_hf_engine(tmp_path):
     check_weight_syncs(store, 1, steps)
 
 
+# The learning run is long: tests/test_bench.py's precision bench checks in the default run that INT4 training
+# removes the mismatch an INT4 rollout causes, on the same code path.
+@pytest.mark.extended
 def test_demo_learns_under_int4_rollout_with_matching_qat(tmp_path):
     """The precision recipe that matches training to the rollout: the engines generate with INT4 weights (pushed
     before step 1 and after every step), the trainer forwards under the same INT4 grid (QAT, straight-through to

@@ -28,18 +28,25 @@ REFUSED = {("llama3.2", "megatron"): "rope_parameters.rope_type: 'llama3'", ("ll
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    """The results of one engine's part of the matrix, run once per engine on first use (so that deselecting
-    the sglang tests skips SGLang's start-ups)."""
+def matrix(tmp_path_factory, request):
+    """The results of one engine's part of the matrix, run once per engine on first use, for the cells whose
+    tests run (deselected or skipped tests start no SGLang server for their model)."""
     runs: dict[str, dict] = {}
 
     def of(engine: str) -> dict:
         if engine not in runs:
+            cells = {
+                f"{item.callspec.params['family']}/{item.callspec.params['dtype']}"
+                for item in request.session.items
+                if getattr(item, "originalname", None) == "test_two_steps_or_a_clear_refusal"
+                and item.callspec.params["engine"] == engine
+                and item.get_closest_marker("skip") is None
+            }
             workdir = tmp_path_factory.mktemp(f"matrix-{engine}")
             out = workdir / "results.json"
             script = Path(__file__).with_name("model_matrix.py")
             proc = subprocess.run(
-                [sys.executable, str(script), str(out), str(workdir), engine],
+                [sys.executable, str(script), str(out), str(workdir), f"{engine}:{','.join(sorted(cells))}"],
                 capture_output=True,
                 text=True,
                 timeout=1500,
@@ -59,8 +66,19 @@ def checkpoint_tensors(family: str) -> int:
     return 2 * per_layer + 2 + (0 if tied else 1)
 
 
+# SGLang in the default run: every family and both dtypes, each family once (tied heads in bf16 among them: what
+# failed at the first push); its other four cells are the extended tier (each SGLang start-up costs ~40 s here).
+SGLANG_DEFAULT = {("qwen2.5", "bfloat16"), ("llama3", "float32"), ("llama3.2", "bfloat16"), ("qwen3", "float32")}
+
+
+def marks(family: str, dtype: str, engine: str) -> list:
+    if engine != "sglang":
+        return []
+    return [pytest.mark.sglang] + ([] if (family, dtype) in SGLANG_DEFAULT else [pytest.mark.extended])
+
+
 COMBOS = [
-    pytest.param(f, d, e, b, marks=[pytest.mark.sglang] if e == "sglang" else [], id=f"{f}-{d}-{e}-{b}")
+    pytest.param(f, d, e, b, marks=marks(f, d, e), id=f"{f}-{d}-{e}-{b}")
     for f in FAMILIES
     for d in DTYPES
     for e in ENGINES

@@ -13,6 +13,14 @@ from miles_control.store.tokens import create_token
 from miles_control.testing import PG_ENV, ApiServer, fresh_pg_database
 
 
+def pytest_collection_modifyitems(config, items):
+    """The fuzzer on SQLite is the extended tier (the root conftest.py): it finds the same API faults as on
+    PostgreSQL, which CI runs, and the other API tests run on both stores."""
+    for item in items:
+        if "test_api_fuzz" in item.nodeid and item.nodeid.endswith("[sqlite]"):
+            item.add_marker(pytest.mark.extended)
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def store_url(request, tmp_path):
     if request.param == "sqlite":

@@ -2,6 +2,7 @@
 
 import asyncio
 import importlib.util
+import re
 import threading
 import time
 from pathlib import Path
@@ -10,7 +11,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_rollout import FinishReason, GenerateRequest, HFEngineConfig, RolloutEngine, SamplingParams, build_engine
+from miles_rollout import (
+    FinishReason,
+    GenerateRequest,
+    HFEngineConfig,
+    RolloutEngine,
+    SamplingParams,
+    WeightPushError,
+    build_engine,
+)
 from miles_rollout.config import SGLangEngineConfig
 from miles_sync import (
     TRANSPORTS,
@@ -267,7 +276,7 @@ def test_a_push_that_breaks_mid_way_leaves_the_engine_on_its_previous_version(
     engine, tiny_model_dir, tmp_path, transport, monkeypatch
 ):
     """The receiving side's stream of buckets dies after the first bucket (the transport's own `read` raises
-    there): the engine raises, keeps its version number, and still holds the previous weights (SGLang: verified
+    there): the engine raises a WeightPushError that names it, keeps its version number, and still holds the previous weights (SGLang: verified
     against every server's checksums)."""
     import miles_sync.transports as registry
 
@@ -293,8 +302,15 @@ def test_a_push_that_breaks_mid_way_leaves_the_engine_on_its_previous_version(
     try:
         handle = sender.publish(weights, weight_version=version + 1)
         assert handle.num_buckets > 1
-        with pytest.raises(ConnectionResetError, match="the sender died"):
+        with pytest.raises(WeightPushError) as failed:
             engine.receive(handle)
+        message = str(failed.value)  # names the engine (SGLang: its servers), the version and what it still holds
+        assert message.startswith(f"{engine.name} engine") and f"weight version {version + 1} failed" in message
+        assert "the sender died after the first bucket" in message
+        assert re.search(rf"still holds? version {version}\b", message), message
+        if engine.name == "sglang":
+            assert all(slot.url in message for slot in engine.slots)
+        assert isinstance(failed.value.__cause__, ConnectionResetError)
         assert engine.weight_version == version
         assert engine.weight_fingerprint() == before
     finally:

@@ -9,7 +9,7 @@ _EXPORTS = {
     **dict.fromkeys(["DataConfig", "EvalConfig", "HFEngineConfig", "RolloutConfig", "SamplingConfig"], "config"),
     "build_engine": "engines",
     "RolloutManager": "manager",
-    "RolloutEngine": "protocol",
+    **dict.fromkeys(["RolloutEngine", "WeightPushError"], "protocol"),
     "register_reward": "rewards",
     "resolve_reward": "rewards",
     **dict.fromkeys(

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import traceback
 from typing import Protocol, runtime_checkable
 
 from miles_rollout.config import PauseMode
 from miles_rollout.types import GenerateRequest, GenerateResult
 from miles_sync import WeightHandle
+
+
+class WeightPushError(RuntimeError):
+    """A push that broke off while an engine received it: the transport's stream or a server failed (a version the
+    engine refuses whole raises ValueError instead, naming the engine too). The message names the engine, the
+    version and what it still serves; the failure itself is `__cause__`."""
+
+    def __init__(self, engine: str, weight_version: int, held: str, cause: BaseException) -> None:
+        super().__init__(
+            f"{engine}: receiving weight version {weight_version} failed ({type(cause).__name__}: {cause}); {held}"
+        )
+        self.engine, self.weight_version = engine, weight_version
+        # The locals of the frames the failure unwound (a transport's buffers, a collective group's pending
+        # receives) go now, not whenever this error is freed: after the group is destroyed, gloo aborts the process.
+        traceback.clear_frames(cause.__traceback__)
 
 
 @runtime_checkable
@@ -39,7 +55,9 @@ class RolloutEngine(Protocol):
     def receive(self, handle: WeightHandle) -> str:
         """Load the published weights, take their version, return the fingerprint now held (through
         `miles_sync.receive(handle, loader)`: the transport's receiver calls the loader's `load_tensors`, or a
-        capability of `miles_sync.protocol` the loader offers). No engine looks at the handle's transport."""
+        capability of `miles_sync.protocol` the loader offers). No engine looks at the handle's transport.
+        A version refused whole raises ValueError; a push that breaks off raises `WeightPushError`, naming the
+        engine and the version it still serves."""
         ...
 
     def weight_fingerprint(self) -> str: ...

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from miles_rollout.config import HFEngineConfig, PauseMode
 from miles_rollout.engines.checkpoint import engine_dtype
 from miles_rollout.engines.checks import check_push, group_by_sampling, held_fingerprint
+from miles_rollout.protocol import WeightPushError
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from miles_sync import WeightHandle, receive
 from miles_sync.protocol import Buckets
@@ -182,7 +183,14 @@ class HFEngine:
         return self.model is not None
 
     def receive(self, handle: WeightHandle) -> str:
-        receive(handle, self)  # the transport's receiver calls load_tensors
+        try:
+            receive(handle, self)  # the transport's receiver calls load_tensors
+        except ValueError:
+            raise  # refused whole, naming this engine (check_push)
+        except Exception as exc:
+            # load_tensors reads every bucket before it copies one: a stream that broke changed nothing
+            held = f"the engine still holds version {self._weight_version}"
+            raise WeightPushError(f"{self.name} engine", handle.weight_version, held, exc) from exc
         return self.weight_fingerprint()
 
     def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:

@@ -31,6 +31,7 @@ from miles_rollout.engines.sglang.recovery import recover
 from miles_rollout.engines.sglang.router import Router, Slot
 from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer, use_cpu
 from miles_rollout.engines.sglang.weights import WeightLoader, WeightMismatchError, folder_tensors
+from miles_rollout.protocol import WeightPushError
 from miles_rollout.types import GenerateRequest, GenerateResult
 from miles_sync import WeightHandle, without_tied_head
 
@@ -194,12 +195,26 @@ class SGLangEngine:
                 if self._server_check:
                     for slot in [s for s in self.slots if s.admitted]:
                         self._weights.verify(slot, self._weight_version)
-            except BaseException:
+            except BaseException as exc:
                 # The servers may hold part of this push, or other weights: only a whole version may follow.
                 self._delta_base = -1
-                raise
+                if isinstance(exc, ValueError) or not isinstance(exc, Exception):
+                    raise  # refused whole (naming this engine), or an interrupt
+                raise WeightPushError(self.describe(), handle.weight_version, self._held_after_failure(), exc) from exc
             self._delta_base = handle.weight_version
         return self._weights.fingerprint
+
+    def describe(self) -> str:
+        """This engine in an error message: its servers' addresses."""
+        return f"{self.name} engine (servers {', '.join(s.url for s in self.slots)})"
+
+    def _held_after_failure(self) -> str:
+        if not self._weights.servers_touched:
+            return f"its servers still hold version {self._weight_version} (nothing was loaded)"
+        return (
+            f"its servers may hold part of it over version {self._weight_version}: the next push sends every tensor, "
+            "and the weight check after it says whether the engine matches the trainer"
+        )
 
     def weight_fingerprint(self) -> str:
         """The HF-layout fingerprint of the weights every admitted server holds (verified now, except for packed

@@ -63,6 +63,7 @@ class WeightLoader:
         self.wire_dtype: str | None = None  # of the last push: the dtype the fingerprint names
         self.pieces: dict | None = None  # of the last push: the row ranges its senders held (several senders)
         self.held_version = 0  # what the servers hold before a load (a delta push must be based on it)
+        self.servers_touched = False  # set by each load: whether a server was asked to load part of it
         self._pinned: dict[int, list[str]] = {}  # per server that failed a load: shared files it may still map
         self.set_current(initial)
 
@@ -132,6 +133,7 @@ class WeightLoader:
         through the capabilities below: `load_folder` (the servers read the folder), `join_group` (the servers
         join the collective group) or `load_tensors` (this process hands them its tensors in shared memory)."""
         self.held_version = held_version
+        self.servers_touched = False  # True once a server was asked to load part of this version
         receive(handle, self)
 
     def load_folder(self, handle: DiskHandle, buckets: Buckets) -> None:
@@ -146,6 +148,7 @@ class WeightLoader:
         def load(slot: Slot) -> None:
             self.calls.post(slot.url, "/update_weights_from_disk", {**body, **self._parts()[1].cache_flush_flag(slot)})
 
+        self.servers_touched = True
         on_admitted(self.slots, self._parts()[0], load, "disk update")
 
     def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:
@@ -166,6 +169,7 @@ class WeightLoader:
         try:
             # The version kept here must outlive the sender's shared memory: mapped tensors are copied.
             self._accept(handle, [(n, t.clone() if t.is_shared() else t) for bucket in received for n, t in bucket])
+            self.servers_touched = True
             on_admitted(
                 self.slots,
                 self._parts()[0],
@@ -281,6 +285,7 @@ class WeightLoader:
             r for s in self.slots if not s.admitted for r in range(offsets[s.index], offsets[s.index] + tp_size(s))
         ]
         name = group.group_name
+        self.servers_touched = True
         pool = ThreadPoolExecutor(max_workers=len(admitted) + len(standins) + 1)
         try:
             # Joining blocks until every rank is there, so all joins run at once.

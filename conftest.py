@@ -1,12 +1,14 @@
-"""Test tiers that stay out of the default run, which CI makes (it must end well within CI's 90 minutes):
+"""Test tiers that stay out of the default run, which CI makes (it should end within ~30-45 minutes: CI's limit
+is 90). The default run checks every feature end to end at least once, at the smallest size that can still fail;
+the tiers hold what repeats a covered path or only makes a check longer.
 
 - `real_model`: SmolLM2-135M as shipped (a conversion on first use and minutes per test); the architecture
   matrix of tiny models covers the same rules in the default run. `bash scripts/test.sh -m real_model`, or
   MILES_REAL_MODELS=1 with any selection.
-- `extended`: whole runs that repeat, on another backend, transport or store, a path the default run already
-  covers end to end (the backends in the loop: `tests/test_bench.py`'s trainer bench and the contract suite;
-  every transport into every engine: the engine contract suite; the API on SQLite: the other control-plane
-  tests). `bash scripts/test.sh -m extended`, or MILES_EXTENDED=1 with any selection.
+- `extended`: whole runs that repeat, on another backend, transport, store, engine or CPU kernel, a path the
+  default run already covers end to end, and the longer learning runs. Each marked test says what covers it. `bash
+  scripts/test.sh -m extended`, or MILES_EXTENDED=1 with any selection. Run it before resolving an issue that
+  touches one of its paths.
 """
 
 import os
@@ -16,6 +18,7 @@ import pytest
 TIERS = {"real_model": ("MILES_REAL_MODELS", "real-model tier"), "extended": ("MILES_EXTENDED", "extended tier")}
 
 
+@pytest.hookimpl(trylast=True)  # after the packages' conftests mark their items
 def pytest_collection_modifyitems(config, items):
     selected = (config.option.markexpr or "").strip()
     for tier, (env, name) in TIERS.items():
