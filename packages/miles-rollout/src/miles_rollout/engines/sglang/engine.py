@@ -196,11 +196,13 @@ class SGLangEngine:
                     for slot in [s for s in self.slots if s.admitted]:
                         self._weights.verify(slot, self._weight_version)
             except BaseException as exc:
-                # The servers may hold part of this push, or other weights: only a whole version may follow.
-                self._delta_base = -1
+                if self._weights.servers_touched:
+                    # They may hold part of this push, or other weights: only a whole version may follow (until
+                    # the roll-back below has verified every server on the previous one).
+                    self._delta_base = -1
                 if isinstance(exc, ValueError) or not isinstance(exc, Exception):
                     raise  # refused whole (naming this engine), or an interrupt
-                raise WeightPushError(self.describe(), handle.weight_version, self._held_after_failure(), exc) from exc
+                raise WeightPushError(self.describe(), handle.weight_version, self._roll_back(), exc) from exc
             self._delta_base = handle.weight_version
         return self._weights.fingerprint
 
@@ -208,13 +210,22 @@ class SGLangEngine:
         """This engine in an error message: its servers' addresses."""
         return f"{self.name} engine (servers {', '.join(s.url for s in self.slots)})"
 
-    def _held_after_failure(self) -> str:
+    def _roll_back(self) -> str:
+        """After a failed load: every admitted server back on the version this process holds (a failed push leaves
+        the copy as it was), verified against its checksums. What the servers hold now, for the error message."""
+        version = self._weight_version
         if not self._weights.servers_touched:
-            return f"its servers still hold version {self._weight_version} (nothing was loaded)"
-        return (
-            f"its servers may hold part of it over version {self._weight_version}: the next push sends every tensor, "
-            "and the weight check after it says whether the engine matches the trainer"
-        )
+            return f"its servers still hold version {version} (nothing was loaded)"
+        restored = self._weights.restore(version, self._server_check)
+        lost = [s.url for s in self.slots if s not in restored]
+        if self._server_check and not lost:
+            self._delta_base = version  # every server verified on it: a delta push may follow
+        checked = "verified" if self._server_check else "not verified: verify_weights is off"
+        again = f"hold version {version} again (reloaded from this engine's copy, {checked})"
+        if not lost:
+            return f"its servers {again}"
+        done = f"servers {', '.join(s.url for s in restored)} {again}; " if restored else ""
+        return done + f"quarantined until the router reloads version {version} into them: {', '.join(lost)}"
 
     def weight_fingerprint(self) -> str:
         """The HF-layout fingerprint of the weights every admitted server holds (verified now, except for packed

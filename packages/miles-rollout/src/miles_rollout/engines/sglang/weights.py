@@ -97,6 +97,11 @@ class WeightLoader:
 
     def _accept(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
         """Take `tensors` (all of a version, or a delta push's changed ones) as the current version."""
+        self._take(handle, self._checked(handle, tensors))
+
+    def _checked(self, handle: WeightHandle, tensors: list[NamedTensor]) -> list[NamedTensor]:
+        """The whole version `tensors` make (a delta push's changed ones over the current version), or ValueError
+        naming what the engine refuses. Changes nothing: the current version stays until `_take`."""
         if handle.packed != self.packed:
             held = f"packed {self.packed} weights" if self.packed else "plain-value weights"
             sent = f"packed {handle.packed} weights" if handle.packed else "plain-value weights"
@@ -108,6 +113,9 @@ class WeightLoader:
         if handle.base_version is not None:  # the rest of the version is what the servers already hold
             changed = dict(tensors)
             tensors = [(name, changed.get(name, tensor)) for name, tensor in self.current]
+        return tensors
+
+    def _take(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
         self.wire_dtype, self.pieces = handle.dtype, handle.pieces
         self.set_current(tensors)
 
@@ -136,9 +144,32 @@ class WeightLoader:
         self.servers_touched = False  # True once a server was asked to load part of this version
         receive(handle, self)
 
+    def restore(self, version: int, check: bool) -> list[Slot]:
+        """After a push that failed once servers had (part of) it: load the current version, which a failed push
+        leaves as it was, back into every admitted server from this process's copy, and verify it when `check`.
+        A server that cannot is quarantined (the router's recovery loads it before it serves again). Returns the
+        servers restored."""
+        router = self._parts()[0]
+        admitted = [s for s in self.slots if s.admitted]
+
+        def one(slot: Slot) -> None:
+            self.load_current(slot, version)
+            if check:
+                self.verify(slot, version)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(admitted))) as pool:
+            futures = {slot: pool.submit(one, slot) for slot in admitted}
+        restored = []
+        for slot, future in futures.items():
+            if (exc := future.exception()) is None:
+                restored.append(slot)
+            else:
+                router.quarantine(slot, f"rolling back to weight version {version} failed: {type(exc).__name__}")
+        return restored
+
     def load_folder(self, handle: DiskHandle, buckets: Buckets) -> None:
         """`/update_weights_from_disk` on the published folder; this process reads it for the check."""
-        self._accept(handle, [pair for bucket in buckets for pair in bucket])
+        tensors = self._checked(handle, [pair for bucket in buckets for pair in bucket])
         body = {
             "model_path": handle.location,
             "weight_version": str(handle.weight_version),
@@ -150,6 +181,7 @@ class WeightLoader:
 
         self.servers_touched = True
         on_admitted(self.slots, self._parts()[0], load, "disk update")
+        self._take(handle, tensors)
 
     def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:
         """Hand the tensors to every server as shared-memory handles: tensors already in shared memory (mapped
@@ -168,7 +200,9 @@ class WeightLoader:
         outcome: dict[int, bool] = {}
         try:
             # The version kept here must outlive the sender's shared memory: mapped tensors are copied.
-            self._accept(handle, [(n, t.clone() if t.is_shared() else t) for bucket in received for n, t in bucket])
+            tensors = self._checked(
+                handle, [(n, t.clone() if t.is_shared() else t) for bucket in received for n, t in bucket]
+            )
             self.servers_touched = True
             on_admitted(
                 self.slots,
@@ -176,6 +210,7 @@ class WeightLoader:
                 lambda s: self._tracked(s, outcome, lambda: self.load_buckets(s, shared, handle.weight_version)),
                 "tensor update",
             )
+            self._take(handle, tensors)
         finally:
             self._release(shared, copies, outcome)
 
@@ -287,6 +322,7 @@ class WeightLoader:
         name = group.group_name
         self.servers_touched = True
         pool = ThreadPoolExecutor(max_workers=len(admitted) + len(standins) + 1)
+        sessions: set[str] = set()  # servers inside /begin_weight_update … /end_weight_update
         try:
             # Joining blocks until every rank is there, so all joins run at once.
             join_body = {
@@ -328,6 +364,7 @@ class WeightLoader:
                         {**body, **self._parts()[1].cache_flush_flag(s, last)},
                         joins[i],
                         index,
+                        sessions,
                     )
                     for i, s in enumerate(admitted)
                 ]
@@ -337,16 +374,30 @@ class WeightLoader:
                     f.result(timeout=group.timeout_s)
             for s in admitted:
                 self.calls.post(s.url, "/destroy_weights_update_group", {"group_name": name})
+        except BaseException:
+            # Let the servers' calls in flight end (a collective that lost a rank ends at the group's timeout), then
+            # close their update and leave the group, so that the engine can load the previous version (restore).
+            pool.shutdown(wait=True, cancel_futures=True)
+            for url in [s.url for s in admitted]:
+                calls = [("/end_weight_update", {})] if url in sessions else []
+                for path, body in [*calls, ("/destroy_weights_update_group", {"group_name": name})]:
+                    try:
+                        self.calls.post(url, path, body)
+                    except Exception:  # noqa: BLE001 - the restore that follows checks the server
+                        pass
+            raise
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         self._accept(handle, received)
 
-    def _load_distributed(self, url: str, body: dict, joined, index: int) -> None:
+    def _load_distributed(self, url: str, body: dict, joined, index: int, sessions: set[str]) -> None:
         joined.result()
         if index == 0:
             self.calls.post(url, "/begin_weight_update")
+            sessions.add(url)
         try:
             self.calls.post(url, "/update_weights_from_distributed", body)
         finally:
             if "weight_version" in body:  # the last bucket
+                sessions.discard(url)
                 self.calls.post(url, "/end_weight_update")
