@@ -151,7 +151,7 @@ def test_sglang_transports_through_the_loop(tmp_path, transport):
 def test_p2p_from_two_fsdp2_ranks_to_two_sglang_engines(tmp_path):
     """Each FSDP2 rank sends its own row shards straight to the rollout worker (no gather on rank 0), which hands
     the whole tensors to both SGLang servers; SGLang's checksums and the fingerprint over the shards agree after
-    every push."""
+    every push, checked once the servers generate again (sync.check_after_resume)."""
     pytest.importorskip("sglang", reason="SGLang is not installed")
     _, store = miles_run(
         tmp_path,
@@ -160,6 +160,7 @@ def test_p2p_from_two_fsdp2_ranks_to_two_sglang_engines(tmp_path):
         "train.backend.world_size=2",
         "sync.transport=p2p",
         "sync.bucket_bytes=1000000",
+        "sync.check_after_resume=true",
         "schedule.num_steps=2",
         "rollout.num_prompts_per_step=8",
         "rollout.eval.num_prompts=20",
@@ -169,6 +170,8 @@ def test_p2p_from_two_fsdp2_ranks_to_two_sglang_engines(tmp_path):
     syncs = store.spans(1, "weight_sync")
     assert {s.attrs["transport"] for s in syncs} == {"p2p"}
     assert all(s.attrs["sharded_tensors"] > 0 for s in syncs)  # tensors that arrived as two ranks' row shards
+    assert all(s.attrs["check_after_resume"] and s.attrs["rolled_back_to"] is None for s in syncs)
+    assert all(0 < s.attrs["pause_s"] < s.end - s.start for s in syncs)  # generation resumed before the check
 
 
 @pytest.mark.parametrize(

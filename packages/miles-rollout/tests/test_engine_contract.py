@@ -322,3 +322,37 @@ def test_a_push_that_breaks_mid_way_leaves_the_engine_on_its_previous_version(
         assert engine.weight_version == version + 1
     finally:
         retry.close()
+
+
+@pytest.mark.parametrize("transport", ["tensor", "broadcast"])  # loaded as a whole / bucket by bucket on SGLang
+def test_a_version_checked_after_resume_can_be_rolled_back(engine, tiny_model_dir, transport):
+    """`receive(..., check_later=True)` takes a version without checking it ("" back) and keeps the previous one;
+    `weight_fingerprint()` checks it while generation runs; `roll_back()` returns to the previous version (SGLang:
+    reloaded into every server and verified against its checksums), once."""
+    before, version = engine.weight_fingerprint(), engine.weight_version
+    weights = new_weights(tiny_model_dir)
+    config = sync_config(transport=transport, bucket_bytes=8192, **({"timeout_s": 60} if transport != "tensor" else {}))
+    sender = build_sender(config, receiver_ranks=engine.receiver_ranks() if needs_receiver_ranks(config) else 1)
+    sampling = SamplingParams(max_new_tokens=3)
+    try:
+        handle = sender.publish(weights, weight_version=version + 1)
+        assert engine.receive(handle, check_later=True) == ""
+        sender.wait()
+        assert engine.weight_version == version + 1
+        assert asyncio.run(engine.generate(requests(2, sampling)))[0].weight_versions == [version + 1]
+        assert engine.weight_fingerprint() == handle.fingerprint != before  # the check, after resuming
+        assert engine.roll_back() == version
+        assert engine.weight_version == version and engine.weight_fingerprint() == before
+        if engine.name == "sglang":
+            assert all(slot.admitted for slot in engine.slots)
+        assert asyncio.run(engine.generate(requests(2, sampling)))[0].weight_versions == [version]
+        with pytest.raises(RuntimeError, match="no previous version is kept"):
+            engine.roll_back()
+        # a version taken with its check done at once keeps nothing to roll back to
+        again = sender.publish(weights, weight_version=version + 2)
+        assert engine.receive(again) == again.fingerprint
+        sender.wait()
+        with pytest.raises(RuntimeError, match="no previous version is kept"):
+            engine.roll_back()
+    finally:
+        sender.close()

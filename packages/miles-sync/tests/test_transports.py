@@ -325,6 +325,12 @@ def test_delta_pushes_send_what_changed_and_fingerprint_the_whole_version():
         sync_config(transport="tensor", delta=True, quantization="fp8_block", quant_wire="packed")
 
 
+def test_check_after_resume_needs_the_check():
+    assert sync_config(transport="tensor", check_after_resume=True).check_after_resume
+    with pytest.raises(ValueError, match="sync.check_after_resume needs sync.check_weights: true"):
+        sync_config(transport="tensor", check_after_resume=True, check_weights=False)
+
+
 def test_compressed_disk_versions_round_trip_bit_exact_and_are_smaller(tmp_path):
     """compression: zstd writes each bucket as one zstd frame of byte-shuffled tensors: every dtype and shape comes
     back bit for bit (a 0-d tensor, an empty one, bool, bf16), and bf16 weights take fewer bytes than as

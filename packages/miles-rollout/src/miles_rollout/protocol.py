@@ -52,12 +52,19 @@ class RolloutEngine(Protocol):
 
     async def health(self) -> bool: ...
 
-    def receive(self, handle: WeightHandle) -> str:
+    def receive(self, handle: WeightHandle, check_later: bool = False) -> str:
         """Load the published weights, take their version, return the fingerprint now held (through
         `miles_sync.receive(handle, loader)`: the transport's receiver calls the loader's `load_tensors`, or a
         capability of `miles_sync.protocol` the loader offers). No engine looks at the handle's transport.
         A version refused whole raises ValueError; a push that breaks off raises `WeightPushError`, naming the
-        engine and the version it still serves."""
+        engine and the version it still serves. `check_later`: the caller checks once generation has resumed
+        (`weight_fingerprint()`), so the engine skips its check now (returning "") and keeps the previous version
+        until the next receive, for `roll_back()`."""
+        ...
+
+    def roll_back(self) -> int:
+        """Back to the version held before the last `receive(..., check_later=True)` (SGLang: reloaded into every
+        server and verified); returns that version. RuntimeError when no previous version is kept."""
         ...
 
     def weight_fingerprint(self) -> str: ...

@@ -43,6 +43,12 @@ class SyncBase(BaseModel):
     check_weights: bool = Field(
         True, description="After every push, compare the engine's weight fingerprint with the trainer's."
     )
+    check_after_resume: bool = Field(
+        False,
+        description="Run the weight check after the engines resume generating instead of before, so the pause "
+        "covers the load only. The engines keep the previous version until the next push; a failed check rolls "
+        "them back to it (SGLang: reloaded into every server and verified) and fails the step. Needs check_weights.",
+    )
     quantization: QuantFormat = Field(
         "none",
         description="Quantize the linear layers' weights before each push, so the engines generate with them: "
@@ -68,6 +74,8 @@ class SyncBase(BaseModel):
 
     @model_validator(mode="after")
     def _packed_needs(self) -> Self:
+        if self.check_after_resume and not self.check_weights:
+            raise ValueError("sync.check_after_resume needs sync.check_weights: true (it moves that check)")
         if self.delta and self.quant_wire == "packed":
             raise ValueError(
                 "sync.delta with sync.quant_wire: packed is not supported: an fp8 weight and its scales must travel "

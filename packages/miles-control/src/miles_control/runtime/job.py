@@ -273,11 +273,12 @@ class JobRuntime:
         published = self.trainer.publish_weights(version)
         handle, start = published.handle, published.start
         assert handle is not None  # rank 0 publishes
-        received: Received = ray.get(self.rollout.receive_weights.remote(handle, pause_mode))
+        after = self.spec.sync.check_after_resume
+        received: Received = ray.get(self.rollout.receive_weights.remote(handle, pause_mode, after))
         self.trainer.wait_published()
         self.weight_version = received.weight_version
         engine_fp, end = received.fingerprint, received.end
-        match = engine_fp == handle.fingerprint
+        match = engine_fp == handle.fingerprint and received.check_failure is None
         self.recorder.span(
             "weight_sync",
             step,
@@ -294,7 +295,15 @@ class JobRuntime:
             sharded_tensors=len(handle.pieces or {}),  # sent as row shards by several trainer ranks (p2p)
             base_version=handle.base_version,
             pause_mode=pause_mode,
+            pause_s=received.resumed - received.start,  # generation paused (load, and the check unless after)
+            check_after_resume=after,
+            rolled_back_to=received.rolled_back_to,
         )
+        if self.spec.sync.check_weights and received.rolled_back_to is not None:
+            raise RuntimeError(
+                f"step {step}: the weight check after the engines resumed failed for version {version} "
+                f"({received.check_failure}); the engines were rolled back to version {received.rolled_back_to}"
+            )
         if self.spec.sync.check_weights and not match:
             raise RuntimeError(
                 f"step {step}: engine weights differ from the trainer's after the push of version "
@@ -302,6 +311,7 @@ class JobRuntime:
             )
         return {
             "sync/latency_s": end - start,
+            "sync/pause_s": received.resumed - received.start,
             "sync/bytes": float(handle.num_bytes),
             "sync/tensors": float(handle.num_tensors),
             "sync/unchanged_tensors": float(handle.unchanged_tensors),  # sync.delta: tensors not sent

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,9 @@ class Published(Timed):
 class Received(Timed):
     fingerprint: str  # of the weights the engine holds now
     weight_version: int
+    resumed: float = 0.0  # when generation resumed: the pause is resumed - start
+    check_failure: str | None = None  # sync.check_after_resume: why the engine's check failed
+    rolled_back_to: int | None = None  # ... and the version the engine went back to
 
 
 @dataclass
@@ -337,19 +341,36 @@ class RolloutWorker:
         metrics = asyncio.run(self.manager.evaluate(self.eval_prompts, self.config.eval.temperature))
         return Evaluated(start, time.time(), metrics)
 
-    def receive_weights(self, handle: WeightHandle, pause_mode: str = "in_place") -> Received:
-        """pause → load (bucketed) → take the new version → resume. Returns the engine's fingerprint."""
+    def receive_weights(
+        self, handle: WeightHandle, pause_mode: str = "in_place", check_after_resume: bool = False
+    ) -> Received:
+        """pause → load (bucketed) → take the new version → resume. Returns the engine's fingerprint. With
+        `check_after_resume` the engine's check (its fingerprint against the trainer's; SGLang: every server's
+        checksums too) runs once generation has resumed, and a failed one rolls the engine back to the version it
+        held before (paused again for that)."""
         start = time.time()
 
-        async def push() -> str:
+        async def paused(work: Callable[[], Any]) -> Any:
             await self.engine.pause(pause_mode)
             try:
-                return self.engine.receive(handle)
+                return work()
             finally:
                 await self.engine.resume()
 
-        fingerprint = asyncio.run(push())
-        return Received(start, time.time(), fingerprint, self.engine.weight_version)
+        fingerprint = asyncio.run(paused(lambda: self.engine.receive(handle, check_later=check_after_resume)))
+        resumed = time.time()
+        failure, rolled_back_to = None, None
+        if check_after_resume:
+            try:
+                fingerprint = self.engine.weight_fingerprint()
+                if fingerprint != handle.fingerprint:
+                    failure = f"engine fingerprint {fingerprint}, trainer {handle.fingerprint}"
+            except Exception as exc:  # noqa: BLE001 - SGLang: a server's checksums differ; reported, then rolled back
+                failure = f"{type(exc).__name__}: {exc}"
+            if failure is not None:
+                rolled_back_to = asyncio.run(paused(self.engine.roll_back))
+                fingerprint = self.engine.weight_fingerprint()
+        return Received(start, time.time(), fingerprint, self.engine.weight_version, resumed, failure, rolled_back_to)
 
     def shutdown(self) -> None:
         self.stop_stream()

@@ -68,6 +68,8 @@ class HFEngine:
         self._weight_version = 0
         self._wire_dtype: str | None = None  # of the last push: the dtype the weight check compares in
         self._pieces: dict | None = None  # of the last push: the row ranges its senders held (several senders)
+        self._keep_previous = False  # receive(check_later=True): keep what a push overwrites, for roll_back()
+        self._previous: tuple | None = None
         self._resumed = threading.Event()
         self._resumed.set()
         self._abort = False
@@ -182,7 +184,8 @@ class HFEngine:
     async def health(self) -> bool:
         return self.model is not None
 
-    def receive(self, handle: WeightHandle) -> str:
+    def receive(self, handle: WeightHandle, check_later: bool = False) -> str:
+        self._keep_previous, self._previous = check_later, None
         try:
             receive(handle, self)  # the transport's receiver calls load_tensors
         except ValueError:
@@ -191,7 +194,7 @@ class HFEngine:
             # load_tensors reads every bucket before it copies one: a stream that broke changed nothing
             held = f"the engine still holds version {self._weight_version}"
             raise WeightPushError(f"{self.name} engine", handle.weight_version, held, exc) from exc
-        return self.weight_fingerprint()
+        return "" if check_later else self.weight_fingerprint()
 
     def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:
         if handle.packed is not None:
@@ -205,11 +208,26 @@ class HFEngine:
         tensors = dict(pair for bucket in buckets for pair in bucket)
         check_push(self.name, handle, set(tensors), set(params), self._weight_version)
         with self._weights_lock, torch.no_grad():
+            if self._keep_previous:  # for roll_back(): what the pushed tensors overwrite
+                kept = {name: params[name].detach().clone() for name in tensors}
+                self._previous = (kept, self._weight_version, self._wire_dtype, self._pieces)
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
             self._weight_version = handle.weight_version
             self._wire_dtype = handle.dtype
             self._pieces = handle.pieces
+
+    def roll_back(self) -> int:
+        if self._previous is None:
+            raise RuntimeError(f"{self.name} engine: no previous version is kept (receive with check_later=True)")
+        kept, version, wire_dtype, pieces = self._previous
+        params = dict(self.model.named_parameters())
+        with self._weights_lock, torch.no_grad():
+            for name, tensor in kept.items():
+                params[name].copy_(tensor)
+            self._weight_version, self._wire_dtype, self._pieces = version, wire_dtype, pieces
+        self._previous = None
+        return version
 
     def weight_fingerprint(self) -> str:
         """The fingerprint of the weights held, in the dtype of the last push (the engine's own before one)."""

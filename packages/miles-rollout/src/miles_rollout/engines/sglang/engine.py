@@ -70,6 +70,7 @@ class SGLangEngine:
         self._tied = tied_embeddings(model_path)
         self._weight_version = 0
         self._delta_base = 0  # the version a delta push may change: -1 after a failed load
+        self._previous_version: int | None = None  # receive(check_later=True): the version roll_back() returns to
         self._calls = ServerCalls(config.request_timeout_s)
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="miles-sglang-"))
         # Packed weights are checked in transit (the fingerprint of what the servers received), not on the
@@ -186,13 +187,16 @@ class SGLangEngine:
 
     # ---- weights --------------------------------------------------------------------------------
 
-    def receive(self, handle: WeightHandle) -> str:
-        """Load a pushed version into every admitted server, then verify each (with `verify_weights`)."""
+    def receive(self, handle: WeightHandle, check_later: bool = False) -> str:
+        """Load a pushed version into every admitted server, then verify each (with `verify_weights`; with
+        `check_later`, `weight_fingerprint()` does, and the previous version is kept for `roll_back()`)."""
         with self._busy:
+            self._previous_version = None
             try:
-                self._weights.load(handle, self._delta_base)
+                self._weights.load(handle, self._delta_base, keep_previous=check_later)
+                self._previous_version = self._weight_version if check_later else None
                 self._weight_version = handle.weight_version
-                if self._server_check:
+                if self._server_check and not check_later:
                     for slot in [s for s in self.slots if s.admitted]:
                         self._weights.verify(slot, self._weight_version)
             except BaseException as exc:
@@ -204,7 +208,20 @@ class SGLangEngine:
                     raise  # refused whole (naming this engine), or an interrupt
                 raise WeightPushError(self.describe(), handle.weight_version, self._roll_back(), exc) from exc
             self._delta_base = handle.weight_version
-        return self._weights.fingerprint
+        return "" if check_later else self._weights.fingerprint
+
+    def roll_back(self) -> int:
+        with self._busy:
+            if self._weights.previous is None or self._previous_version is None:
+                raise RuntimeError(f"{self.describe()}: no previous version is kept (receive with check_later=True)")
+            version, self._previous_version = self._previous_version, None
+            self._weights.take_previous()
+            self._weight_version = version
+            self._delta_base = -1
+            restored = self._weights.restore(version, self._server_check)
+            if self._server_check and len(restored) == len(self.slots):
+                self._delta_base = version
+            return version
 
     def describe(self) -> str:
         """This engine in an error message: its servers' addresses."""
