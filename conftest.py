@@ -12,6 +12,7 @@ the tiers hold what repeats a covered path or only makes a check longer.
 """
 
 import os
+import re
 
 import pytest
 
@@ -22,7 +23,7 @@ TIERS = {"real_model": ("MILES_REAL_MODELS", "real-model tier"), "extended": ("M
 def pytest_collection_modifyitems(config, items):
     selected = (config.option.markexpr or "").strip()
     for tier, (env, name) in TIERS.items():
-        if os.environ.get(env) == "1" or selected == tier:
+        if os.environ.get(env) == "1" or re.search(rf"(?<!not )\b{tier}\b", selected):  # e.g. -m "extended and sglang"
             continue
         skip = pytest.mark.skip(reason=f"{name}: run with `bash scripts/test.sh -m {tier}` or {env}=1")
         for item in items:

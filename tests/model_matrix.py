@@ -188,7 +188,9 @@ def main() -> None:
     else:
         plan = []
         for arg in sys.argv[3:] or ENGINES:
-            engine, _, cells = arg.partition(":")
+            engine, colon, cells = arg.partition(":")
+            if colon and not cells:
+                sys.exit(f"{arg}: no cells named after the colon (FAMILY/DTYPE,...)")
             wanted = cells.split(",") if cells else [f"{f}/{d}" for f in FAMILIES for d in DTYPES]
             for cell in wanted:
                 family, dtype = cell.split("/")

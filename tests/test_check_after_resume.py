@@ -6,6 +6,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
@@ -27,6 +28,14 @@ def test_a_failed_check_after_resume_rolls_the_engine_back(tmp_path):
     try:
         engine = worker.engine
         before = engine.weight_fingerprint()
+        checked_while_generating = []
+        fingerprint = engine.weight_fingerprint
+
+        def recorded() -> str:
+            checked_while_generating.append(engine._resumed.is_set())  # the hf engine's pause flag
+            return fingerprint()
+
+        engine.weight_fingerprint = recorded
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         weights = [(n, p.detach() + 0.01) for n, p in model.named_parameters()]
         sender = build_sender(sync_config(transport="tensor"))
@@ -35,7 +44,10 @@ def test_a_failed_check_after_resume_rolls_the_engine_back(tmp_path):
             received = worker.receive_weights(good, check_after_resume=True)
             assert (received.weight_version, received.fingerprint) == (1, good.fingerprint)
             assert received.check_failure is None and received.rolled_back_to is None
-            assert received.start <= received.resumed <= received.end
+            assert checked_while_generating == [True]  # the check ran once the engine had resumed
+            assert 0 < received.paused_s <= received.end - received.start
+            with pytest.raises(RuntimeError, match="no previous version is kept"):
+                engine.roll_back()  # a passed check frees the version kept for a roll-back
 
             # A version whose check fails (here: the trainer's fingerprint is not what the engine computes).
             moved = [(n, t + 0.01) for n, t in weights]
@@ -44,6 +56,7 @@ def test_a_failed_check_after_resume_rolls_the_engine_back(tmp_path):
             assert received.rolled_back_to == 1 and received.weight_version == 1
             assert received.check_failure is not None and "not-the-engines" in received.check_failure
             assert received.fingerprint == good.fingerprint == engine.weight_fingerprint() != before
+            assert checked_while_generating[1] is True
 
             # Checked before resuming (the default), the same failure is left to the runtime: no roll-back.
             bad = dataclasses.replace(sender.publish(moved, weight_version=3), fingerprint="not-the-engines")

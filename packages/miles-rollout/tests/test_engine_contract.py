@@ -2,6 +2,7 @@
 
 import asyncio
 import importlib.util
+import pickle
 import re
 import threading
 import time
@@ -306,6 +307,8 @@ def test_a_push_that_breaks_mid_way_leaves_the_engine_on_its_previous_version(
             expected = "again (reloaded from this engine's copy, verified)" if transport == "broadcast" else "nothing"
             assert expected in message, message
         assert isinstance(failed.value.__cause__, ConnectionResetError)
+        carried = pickle.loads(pickle.dumps(failed.value))  # as Ray hands it from the rollout actor to the driver
+        assert type(carried) is WeightPushError and str(carried) == message
         assert engine.weight_version == version
         assert engine.weight_fingerprint() == before
     finally:
@@ -356,3 +359,33 @@ def test_a_version_checked_after_resume_can_be_rolled_back(engine, tiny_model_di
             engine.roll_back()
     finally:
         sender.close()
+
+
+def test_a_load_whose_server_check_fails_is_rolled_back(engine, tiny_model_dir, monkeypatch):
+    """SGLang checks every server's checksums after a load: when that fails, the engine takes back the version it
+    held, reloads it into every server and verifies it (the check fails once here, injected)."""
+    if engine.name != "sglang":
+        pytest.skip("only SGLang checks servers after a load (the hf engine's check is the fingerprint it computes)")
+    from miles_rollout.engines.sglang.weights import WeightMismatchError
+
+    before, version = engine.weight_fingerprint(), engine.weight_version
+    verify, calls = engine._weights.verify, []
+
+    def fails_once(slot, checked_version):
+        calls.append(checked_version)
+        if len(calls) == 1:
+            raise WeightMismatchError(f"{slot.url}: a tensor differs (injected)")
+        verify(slot, checked_version)
+
+    monkeypatch.setattr(engine._weights, "verify", fails_once)
+    sender = build_sender(sync_config(transport="tensor"))
+    try:
+        with pytest.raises(WeightPushError, match="injected") as failed:
+            engine.receive(sender.publish(new_weights(tiny_model_dir), weight_version=version + 1))
+        assert f"hold version {version} again" in str(failed.value)
+        assert calls == [version + 1] + [version] * len(engine.slots)  # the failed check, then the roll-back's
+    finally:
+        sender.close()
+        monkeypatch.undo()
+    assert engine.weight_version == version and engine.weight_fingerprint() == before
+    assert all(slot.admitted for slot in engine.slots)

@@ -15,14 +15,21 @@ class WeightPushError(RuntimeError):
     engine refuses whole raises ValueError instead, naming the engine too). The message names the engine, the
     version and what it still serves; the failure itself is `__cause__`."""
 
-    def __init__(self, engine: str, weight_version: int, held: str, cause: BaseException) -> None:
-        super().__init__(
-            f"{engine}: receiving weight version {weight_version} failed ({type(cause).__name__}: {cause}); {held}"
-        )
-        self.engine, self.weight_version = engine, weight_version
-        # The locals of the frames the failure unwound (a transport's buffers, a collective group's pending
-        # receives) go now, not whenever this error is freed: after the group is destroyed, gloo aborts the process.
-        traceback.clear_frames(cause.__traceback__)
+    def __init__(self, engine: str, weight_version: int, held: str, cause: BaseException | str) -> None:
+        what = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"{engine}: receiving weight version {weight_version} failed ({what}); {held}")
+        self.engine, self.weight_version, self.held, self.cause_text = engine, weight_version, held, what
+        if isinstance(cause, BaseException):
+            release_frames(cause)
+
+    def __reduce__(self):  # through Ray (pickle): the same type and message; the cause travels as its text
+        return (WeightPushError, (self.engine, self.weight_version, self.held, self.cause_text))
+
+
+def release_frames(exc: BaseException) -> None:
+    """Drop the locals of the frames a failure unwound (a transport's buffers, a collective group's pending
+    receives) now, not whenever the error is freed: gloo aborts the process that frees them after their group."""
+    traceback.clear_frames(exc.__traceback__)
 
 
 @runtime_checkable
@@ -65,6 +72,10 @@ class RolloutEngine(Protocol):
     def roll_back(self) -> int:
         """Back to the version held before the last `receive(..., check_later=True)` (SGLang: reloaded into every
         server and verified); returns that version. RuntimeError when no previous version is kept."""
+        ...
+
+    def drop_previous(self) -> None:
+        """The check after `receive(..., check_later=True)` passed: free the previous version kept for it."""
         ...
 
     def weight_fingerprint(self) -> str: ...

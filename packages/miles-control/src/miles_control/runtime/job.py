@@ -295,7 +295,7 @@ class JobRuntime:
             sharded_tensors=len(handle.pieces or {}),  # sent as row shards by several trainer ranks (p2p)
             base_version=handle.base_version,
             pause_mode=pause_mode,
-            pause_s=received.resumed - received.start,  # generation paused (load, and the check unless after)
+            pause_s=received.paused_s,  # generation stood still: the load, the check unless after, a roll-back
             check_after_resume=after,
             rolled_back_to=received.rolled_back_to,
         )
@@ -311,7 +311,7 @@ class JobRuntime:
             )
         return {
             "sync/latency_s": end - start,
-            "sync/pause_s": received.resumed - received.start,
+            "sync/pause_s": received.paused_s,
             "sync/bytes": float(handle.num_bytes),
             "sync/tensors": float(handle.num_tensors),
             "sync/unchanged_tensors": float(handle.unchanged_tensors),  # sync.delta: tensors not sent

@@ -44,7 +44,7 @@ class Published(Timed):
 class Received(Timed):
     fingerprint: str  # of the weights the engine holds now
     weight_version: int
-    resumed: float = 0.0  # when generation resumed: the pause is resumed - start
+    paused_s: float = 0.0  # how long generation stood still: the load (and the check, or a roll-back)
     check_failure: str | None = None  # sync.check_after_resume: why the engine's check failed
     rolled_back_to: int | None = None  # ... and the version the engine went back to
 
@@ -358,7 +358,7 @@ class RolloutWorker:
                 await self.engine.resume()
 
         fingerprint = asyncio.run(paused(lambda: self.engine.receive(handle, check_later=check_after_resume)))
-        resumed = time.time()
+        paused_s = time.time() - start
         failure, rolled_back_to = None, None
         if check_after_resume:
             try:
@@ -367,10 +367,20 @@ class RolloutWorker:
                     failure = f"engine fingerprint {fingerprint}, trainer {handle.fingerprint}"
             except Exception as exc:  # noqa: BLE001 - SGLang: a server's checksums differ; reported, then rolled back
                 failure = f"{type(exc).__name__}: {exc}"
-            if failure is not None:
-                rolled_back_to = asyncio.run(paused(self.engine.roll_back))
-                fingerprint = self.engine.weight_fingerprint()
-        return Received(start, time.time(), fingerprint, self.engine.weight_version, resumed, failure, rolled_back_to)
+            if failure is None:
+                self.engine.drop_previous()
+            else:
+                back = time.time()
+                try:
+                    rolled_back_to = asyncio.run(paused(self.engine.roll_back))
+                    fingerprint = self.engine.weight_fingerprint()
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"the weight check after resuming failed for version {handle.weight_version} ({failure}), "
+                        f"and rolling the engine back failed too: {type(exc).__name__}: {exc}"
+                    ) from exc
+                paused_s += time.time() - back
+        return Received(start, time.time(), fingerprint, self.engine.weight_version, paused_s, failure, rolled_back_to)
 
     def shutdown(self) -> None:
         self.stop_stream()

@@ -207,6 +207,13 @@ class HFEngine:
         # Read everything before touching the model, so a bad version is refused whole.
         tensors = dict(pair for bucket in buckets for pair in bucket)
         check_push(self.name, handle, set(tensors), set(params), self._weight_version)
+        wrong = [f"{n}: {tuple(t.shape)}, the model's {tuple(params[n].shape)}" for n, t in tensors.items()
+                 if t.shape != params[n].shape]  # fmt: skip
+        if wrong:
+            raise ValueError(
+                f"{self.name} engine: weight version {handle.weight_version} has {len(wrong)} tensors whose shape "
+                f"is not the model's ({'; '.join(wrong[:3])})"
+            )
         with self._weights_lock, torch.no_grad():
             if self._keep_previous:  # for roll_back(): what the pushed tensors overwrite
                 kept = {name: params[name].detach().clone() for name in tensors}
@@ -228,6 +235,9 @@ class HFEngine:
             self._weight_version, self._wire_dtype, self._pieces = version, wire_dtype, pieces
         self._previous = None
         return version
+
+    def drop_previous(self) -> None:
+        self._previous = None
 
     def weight_fingerprint(self) -> str:
         """The fingerprint of the weights held, in the dtype of the last push (the engine's own before one)."""

@@ -31,7 +31,7 @@ from miles_rollout.engines.sglang.recovery import recover
 from miles_rollout.engines.sglang.router import Router, Slot
 from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer, use_cpu
 from miles_rollout.engines.sglang.weights import WeightLoader, WeightMismatchError, folder_tensors
-from miles_rollout.protocol import WeightPushError
+from miles_rollout.protocol import WeightPushError, release_frames
 from miles_rollout.types import GenerateRequest, GenerateResult
 from miles_sync import WeightHandle, without_tied_head
 
@@ -189,24 +189,36 @@ class SGLangEngine:
 
     def receive(self, handle: WeightHandle, check_later: bool = False) -> str:
         """Load a pushed version into every admitted server, then verify each (with `verify_weights`; with
-        `check_later`, `weight_fingerprint()` does, and the previous version is kept for `roll_back()`)."""
+        `check_later`, `weight_fingerprint()` does, and the previous version is kept for `roll_back()`). A push
+        that fails once a server was touched (a load, or the check after it) is rolled back: the version held
+        before is reloaded into every server and verified (`_roll_back`)."""
         with self._busy:
+            held = self._weight_version
             self._previous_version = None
             try:
-                self._weights.load(handle, self._delta_base, keep_previous=check_later)
-                self._previous_version = self._weight_version if check_later else None
+                self._weights.load(handle, self._delta_base, keep_previous=True)
                 self._weight_version = handle.weight_version
                 if self._server_check and not check_later:
                     for slot in [s for s in self.slots if s.admitted]:
                         self._weights.verify(slot, self._weight_version)
             except BaseException as exc:
-                if self._weights.servers_touched:
-                    # They may hold part of this push, or other weights: only a whole version may follow (until
-                    # the roll-back below has verified every server on the previous one).
-                    self._delta_base = -1
-                if isinstance(exc, ValueError) or not isinstance(exc, Exception):
-                    raise  # refused whole (naming this engine), or an interrupt
+                if self._weights.previous is not None:  # the version was taken: the one before is current again
+                    self._weights.take_previous()
+                self._weight_version = held
+                if not self._weights.servers_touched and isinstance(exc, ValueError):
+                    raise  # refused whole before any server was asked to load: names this engine
+                if not isinstance(exc, Exception):
+                    self._delta_base = -1  # an interrupt: the servers may hold part of it
+                    raise
+                # They may hold part of this push: only a whole version may follow, unless the roll-back below
+                # verifies every server on the previous one.
+                self._delta_base = -1 if self._weights.servers_touched else self._delta_base
+                release_frames(exc)  # the failed stream's buffers go before the previous version is loaded
                 raise WeightPushError(self.describe(), handle.weight_version, self._roll_back(), exc) from exc
+            if check_later:
+                self._previous_version = held
+            else:
+                self._weights.previous = None
             self._delta_base = handle.weight_version
         return "" if check_later else self._weights.fingerprint
 
@@ -222,6 +234,10 @@ class SGLangEngine:
             if self._server_check and len(restored) == len(self.slots):
                 self._delta_base = version
             return version
+
+    def drop_previous(self) -> None:
+        with self._busy:
+            self._weights.previous, self._previous_version = None, None
 
     def describe(self) -> str:
         """This engine in an error message: its servers' addresses."""
@@ -246,10 +262,11 @@ class SGLangEngine:
 
     def weight_fingerprint(self) -> str:
         """The HF-layout fingerprint of the weights every admitted server holds (verified now, except for packed
-        weights: see `_server_check`)."""
-        for slot in [s for s in self.slots if s.admitted and self.packed is None]:
-            self._weights.verify(slot, self._weight_version)
-        return self._weights.fingerprint
+        weights: see `_server_check`). Under the weight lock: a recovery does not reload a server meanwhile."""
+        with self._busy:
+            for slot in [s for s in self.slots if s.admitted and self.packed is None]:
+                self._weights.verify(slot, self._weight_version)
+            return self._weights.fingerprint
 
     def _recover(self, slot: Slot) -> None:
         """Called by the router (health thread, `_busy` held): bring a quarantined slot back in sync."""

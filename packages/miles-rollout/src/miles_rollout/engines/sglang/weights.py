@@ -156,20 +156,29 @@ class WeightLoader:
         receive(handle, self)
 
     def restore(self, version: int, check: bool) -> list[Slot]:
-        """After a push that failed once servers had (part of) it: load the current version, which a failed push
-        leaves as it was, back into every admitted server from this process's copy, and verify it when `check`.
-        A server that cannot is quarantined (the router's recovery loads it before it serves again). Returns the
-        servers restored."""
+        """After a push that failed once servers had (part of) it: load the current version (the one before the
+        push: a failed load leaves it, or takes it back) into every admitted server from this process's copy, one
+        copy in shared memory for all of them, and verify it when `check`. A server that cannot is quarantined
+        (the router's recovery loads it before it serves again). Returns the servers restored."""
+        from miles_sync.shared import into_shared, shm_file, use_file_system_sharing
+
         router = self._parts()[0]
         admitted = [s for s in self.slots if s.admitted]
+        use_file_system_sharing()
+        shared = [(name, into_shared(tensor)) for name, tensor in self.current]
+        files = [f for _, t in shared if (f := shm_file(t))]
+        outcome: dict[int, bool] = {}
 
         def one(slot: Slot) -> None:
-            self.load_current(slot, version)
+            self._tracked(slot, outcome, lambda: self.load_buckets(slot, [shared], version))
             if check:
                 self.verify(slot, version)
 
-        with ThreadPoolExecutor(max_workers=max(1, len(admitted))) as pool:
-            futures = {slot: pool.submit(one, slot) for slot in admitted}
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(admitted))) as pool:
+                futures = {slot: pool.submit(one, slot) for slot in admitted}
+        finally:
+            self._release([shared], files, outcome)
         restored = []
         for slot, future in futures.items():
             if (exc := future.exception()) is None:
@@ -404,8 +413,8 @@ class WeightLoader:
     def _load_distributed(self, url: str, body: dict, joined, index: int, sessions: set[str]) -> None:
         joined.result()
         if index == 0:
+            sessions.add(url)  # before the call: an answer lost on the way still leaves the update open
             self.calls.post(url, "/begin_weight_update")
-            sessions.add(url)
         try:
             self.calls.post(url, "/update_weights_from_distributed", body)
         finally:
