@@ -22,10 +22,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import build_model, machine, median, model_bytes, table, timed  # noqa: E402
+
+if TYPE_CHECKING:
+    from miles_sync.copies import CopyCount
 
 SIZES = {  # name: (hidden, layers)
     "4 MB": (128, 4),
@@ -44,20 +48,23 @@ def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
     return median([timed(lambda: dst.copy_(src)) for _ in range(repeats)])
 
 
-def push(engine, sender, weights, version: int) -> tuple[float, float]:
-    """(seconds in publish, seconds from publish start to resumed engine)."""
+def push(engine, sender, weights, version: int) -> tuple[float, float, CopyCount]:
+    """(seconds in publish, seconds from publish start to resumed engine, the copies counted meanwhile)."""
+    from miles_sync.copies import CopyCount
 
-    async def run() -> float:
-        start = time.perf_counter()
-        handle = sender.publish(weights, weight_version=version)
-        published = time.perf_counter() - start
-        await engine.pause("in_place")
-        try:
-            engine.receive(handle)
-        finally:
-            await engine.resume()
-        sender.wait()
-        return published, time.perf_counter() - start
+    async def run() -> tuple[float, float, CopyCount]:
+        with CopyCount() as copies:
+            start = time.perf_counter()
+            handle = sender.publish(weights, weight_version=version)
+            published = time.perf_counter() - start
+            await engine.pause("in_place")
+            try:
+                engine.receive(handle)
+            finally:
+                await engine.resume()
+            sender.wait()
+            end = time.perf_counter()
+        return published, end - start, copies
 
     return asyncio.run(run())
 
@@ -66,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smallest model, one push per transport")
     parser.add_argument("--sizes", nargs="*", choices=list(SIZES), help="model sizes to run (default: all)")
+    parser.add_argument("--transports", nargs="*", choices=TRANSPORTS, help="transports to run (default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="pushes per transport and size (median)")
     parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
     args = parser.parse_args()
@@ -92,19 +100,20 @@ def main() -> None:
         workdir = Path(tempfile.mkdtemp(prefix="miles-bench-w-"))
         version = 0
         try:
-            for transport in TRANSPORTS:
+            for transport in args.transports or TRANSPORTS:
                 config = sync_config(
                     transport=transport, **({"dir": str(workdir / transport)} if transport == "disk" else {})
                 )
                 ranks = engine.receiver_ranks() if needs_receiver_ranks(config) else 1
                 sender = build_sender(config, receiver_ranks=ranks)
-                times, publish_times = [], []
+                times, publish_times, copies = [], [], []
                 for _ in range(repeats + 1):  # the first push is a warm-up
                     version += 1
                     weights = [(n, t + 0.001 * version) for n, t in base]
-                    published, total = push(engine, sender, weights, version)
+                    published, total, counted = push(engine, sender, weights, version)
                     times.append(total)
                     publish_times.append(published)
+                    copies.append((counted.tensor_bytes / num_bytes, counted.io_bytes / num_bytes))
                 check_s = timed(engine.weight_fingerprint)  # checksums on the server and here, compared
                 served = asyncio.run(
                     engine.generate([GenerateRequest([3, 13, 4, 16], SamplingParams(max_new_tokens=2), "x")])
@@ -122,9 +131,15 @@ def main() -> None:
                         check_s * 1e3,
                         copy_s * 1e3,
                         latency / copy_s,
+                        median([memory for memory, _ in copies[1:]]),
+                        median([io for _, io in copies[1:]]),
                     ]
                 )
-                print(f"{size} {transport}: {latency * 1e3:.1f} ms (memcpy {copy_s * 1e3:.2f} ms)", flush=True)
+                print(
+                    f"{size} {transport}: {latency * 1e3:.1f} ms (memcpy {copy_s * 1e3:.2f} ms), "
+                    f"copies per byte {rows[-1][-2]:.2f} in memory, {rows[-1][-1]:.2f} through files or sockets",
+                    flush=True,
+                )
         finally:
             engine.shutdown()
             shutil.rmtree(workdir, ignore_errors=True)
@@ -136,7 +151,11 @@ def main() -> None:
             "# Weight-update latency per transport",
             "",
             f"Machine: {machine()}. Engine: one SGLang server, weights fp32 on the wire and in the engine. "
-            f"Latency: publish → pause (in_place) → load → resume, median of {repeats} pushes after a warm-up.",
+            f"Latency: publish → pause (in_place) → load → resume, median of {repeats} pushes after a warm-up. "
+            "Per byte of the version, counted in this process (the trainer's sender and the engine's client; "
+            "`miles_sync.copies`): memory copies are bytes written by torch operations in the pushing thread, file + "
+            "socket bytes those written and read by system calls (a broadcast to the engine's own rank and a server "
+            "writes each byte twice to sockets). The SGLang server's own load is another process and not counted.",
             "",
             table(
                 [
@@ -148,6 +167,8 @@ def main() -> None:
                     "check ms",
                     "memcpy ms",
                     "latency / memcpy",
+                    "memory copies / byte",
+                    "file + socket bytes / byte",
                 ],
                 rows,
             ),

@@ -45,6 +45,11 @@ def test_weight_update_bench_covers_every_transport(tmp_path):
         latency, publish, memcpy, ratio = (float(row[i].replace(",", "")) for i in (3, 4, 6, 7))
         assert latency > 0 and memcpy > 0 and 0 <= publish <= latency, row
         assert ratio == pytest.approx(latency / memcpy, rel=0.02), row  # the ratio is of the numbers shown
+        memory, io = (float(row[i]) for i in (8, 9))
+        assert memory + io >= 1, row  # every byte reaches the engine's process through a copy or a file/socket
+    by_transport = {r[1].strip(): r for r in rows}
+    assert float(by_transport["disk"][9]) >= 1  # the safetensors files are written
+    assert float(by_transport["tensor"][8]) >= 1  # the copy into shared memory
 
 
 def test_weights_bench_fits_every_transport_and_projects_by_its_formula(tmp_path):

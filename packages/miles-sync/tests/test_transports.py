@@ -211,10 +211,18 @@ def test_tensor_transport_keeps_recent_versions_and_frees_shared_memory(tmp_path
     sender = make_sender("tensor", tmp_path, keep_versions=1)
     first = sender.publish(sample_weights(), weight_version=1)
     assert shm_files() - before, "the published buckets live in /dev/shm"
-    second = sender.publish(sample_weights(), weight_version=2)
-    with pytest.raises(FileNotFoundError, match="weight version 1"):
-        list(read_buckets(first))  # released: only the last version is kept
-    assert read_all(second).keys() == {n for n, _ in sample_weights()}
+    files = shm_files() - before
+    moved = [(n, t + 1 if t.is_floating_point() else t) for n, t in sample_weights()]
+    second = sender.publish(moved, weight_version=2)
+    assert shm_files() - before == files, "a version reuses the shared memory of the one it replaces"
+    with pytest.raises(FileNotFoundError, match="weight version 1: its shared memory now holds version 2"):
+        list(read_buckets(first))  # its slot was reused: only the last version is kept
+    got = read_all(second)
+    for name, tensor in moved:
+        assert torch.equal(got[name], tensor), name
+    del got  # what this process mapped must go before its memory is released (as for any released version)
+    bigger = sample_weights() + [("extra", torch.randn(300))]
+    assert read_all(sender.publish(bigger, weight_version=3)).keys() == {n for n, _ in bigger}
     sender.close()
     gc.collect()
     assert shm_files() <= before, "close() must release every shared-memory file"

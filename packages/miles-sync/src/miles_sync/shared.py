@@ -45,11 +45,23 @@ def deserialize_bucket(payload: str) -> list[NamedTensor]:
 
 
 def into_shared(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of `tensor` in shared memory, made with one copy of its bytes: the shared storage is allocated empty
-    and filled (`clone().share_memory_()` copies twice, into private memory and then into shared memory)."""
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format).share_memory_()
+    """A copy of `tensor` in shared memory, made with one copy of its bytes: the shared storage is allocated in
+    /dev/shm and filled (`clone().share_memory_()` copies twice, and `empty_like().share_memory_()` copies the
+    empty bytes once)."""
+    if tensor.device.type != "cpu":
+        return tensor.clone(memory_format=torch.contiguous_format)
+    out = new_shared(tensor.numel() * tensor.element_size(), tensor.device).view(tensor.dtype).view(tensor.shape)
     out.copy_(tensor)
     return out
+
+
+def new_shared(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized byte buffer in shared memory (on CUDA: device memory, shared by IPC handles when
+    pickled). Allocated there directly: `empty(...).share_memory_()` would copy the empty bytes over once."""
+    if device.type != "cpu":
+        return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    storage = torch.UntypedStorage._new_shared(num_bytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (num_bytes,))
 
 
 def shm_file(tensor: torch.Tensor) -> str | None:
@@ -60,7 +72,7 @@ def shm_file(tensor: torch.Tensor) -> str | None:
     return name.decode() if isinstance(name, bytes) else name
 
 
-def release_files(buckets: list[list[NamedTensor]], files: list[str]) -> None:
+def release_files(buckets: list[list[NamedTensor]] | list[list[torch.Tensor]], files: list[str]) -> None:
     """Free tensors this process put in shared memory, including `files` that unread payloads still pin.
 
     The tensors are dropped first: torch unlinks a file itself when its last reference goes, and aborts the

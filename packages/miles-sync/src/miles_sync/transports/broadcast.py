@@ -8,7 +8,8 @@ server and this module's own receiver join the same group.
 
 `publish()` returns at once with a handle that names the group and lists every bucket's tensors
 (name, dtype, shape); a background thread forms a fresh group for that version and broadcasts the
-buckets in order, each as one flat byte tensor (SGLang's `flattened_bucket` load format). Receivers post/join with that handle; `wait()` blocks until
+buckets in order, each as one flat byte tensor (SGLang's `flattened_bucket` load format), flattened inside
+`publish` (the version's own copy, one copy of each byte). Receivers post/join with that handle; `wait()` blocks until
 every bucket went out and raises what went wrong on the sender's side.
 """
 
@@ -49,7 +50,7 @@ class BroadcastSender(GroupSender):
 
     def _begin(self, weight_version: int) -> None:
         self.wait()  # one version at a time on the wire (at most timeout_s: receivers that never join fail here)
-        self._buckets: list[list[NamedTensor]] = []
+        self._flats: list[torch.Tensor] = []
         self._layout: list[BucketLayout] = []
 
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
@@ -59,7 +60,9 @@ class BroadcastSender(GroupSender):
         bucket = sorted(bucket, key=lambda pair: -pair[1].element_size())
         layout = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in bucket]
         assert aligned(layout)
-        self._buckets.append([(name, tensor.clone()) for name, tensor in bucket])
+        # Flattened now: the one copy the wire format needs is also the version's own (a clone first, flattened
+        # later in the sending thread, copied every byte twice).
+        self._flats.append(flatten(bucket))
         self._layout.append(layout)
 
     def _finish(self, common: dict) -> BroadcastHandle:
@@ -77,15 +80,15 @@ class BroadcastSender(GroupSender):
             backend=self.backend,
             timeout_s=self.config.timeout_s,
         )
-        buckets = self._buckets
-        self._start(self._send, len(buckets), rendezvous, buckets, store)
+        flats = self._flats
+        self._start(self._send, len(flats), rendezvous, flats, store)
         return BroadcastHandle(**common, group=rendezvous, layout=self._layout)
 
-    def _send(self, r: Rendezvous, buckets: list[list[NamedTensor]], store: object) -> None:
+    def _send(self, r: Rendezvous, flats: list[torch.Tensor], store: object) -> None:
         group = join_group(r, 0, store)
         try:
-            for bucket in buckets:
-                flat = flatten(bucket)
+            while flats:
+                flat = flats.pop(0)  # freed once sent
                 if self.backend == "nccl":
                     flat = flat.cuda()
                 torch.distributed.broadcast(flat, src=0, group=group)
