@@ -228,6 +228,23 @@ def test_tensor_transport_keeps_recent_versions_and_frees_shared_memory(tmp_path
     assert shm_files() <= before, "close() must release every shared-memory file"
 
 
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_tensor_payloads_read_by_two_processes_do_not_break_later_versions(tmp_path):
+    """Two readers of one payload (SGLang's data-parallel replicas) unpickle it twice, and torch's count in the
+    shared file then reaches zero early: a reader unlinks it. The next versions in that slot must still arrive."""
+    sender = make_sender("tensor", tmp_path, keep_versions=1)
+    try:
+        for version in (1, 2, 3):
+            handle = sender.publish(sample_weights(), weight_version=version)
+            for _ in range(2):
+                child = read_in_subprocess(handle)
+                out, _ = child.communicate(timeout=120)
+                assert child.returncode == 0, f"version {version}"
+                assert out.decode().strip() == handle.fingerprint
+    finally:
+        sender.close()
+
+
 def test_broadcast_without_receivers_times_out_with_a_clear_error(tmp_path):
     sender = make_sender("broadcast", tmp_path, timeout_s=2)
     sender.publish(sample_weights(), weight_version=1)

@@ -5,8 +5,10 @@ carries these short strings, and any process on the same machine rebuilds the te
 the bytes (CUDA IPC handles for CUDA tensors). The buffers are a ring of `keep_versions` slots, reused version
 after version: a push writes into memory whose pages are already mapped (a fresh /dev/shm file costs a page
 fault per 4 KiB on first touch, 1.5–3× the copy itself on this machine), and the last `keep_versions` versions
-stay readable. Each buffer starts with the version it holds, so a payload read after its slot was reused fails
-naming both versions instead of handing over another version's bytes. Every pickling pins a /dev/shm file that
+stay readable (a publish overwrites the oldest one's slot as it goes). Each buffer starts with the version it
+holds, so a payload unpickled after its slot was reused fails naming both versions instead of handing over another
+version's bytes; tensors mapped before the reuse see the new bytes (a receiver copies what it keeps, as every
+engine does). Every pickling pins a /dev/shm file that
 only an unpickling releases, so `close()` drops the buffers and unlinks the files that unread payloads still pin.
 A handle's payload is meant to be read once per process: a receiver that hands tensors on (an engine feeding
 several servers) re-serializes its own mapped tensors, one payload per reader.
@@ -14,6 +16,7 @@ several servers) re-serializes its own mapped tensors, one payload per reader.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
@@ -40,6 +43,15 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
+def _file_alive(buffer: torch.Tensor) -> bool:
+    """Whether a buffer's /dev/shm file is still there to be mapped. A payload unpickled more often than it was
+    pickled (two processes reading one, as SGLang's data-parallel replicas do with a server's payload) drives
+    torch's reference count in the file to zero early and a reader unlinks it: the buffer is then replaced (the
+    old mapping stays valid for whoever holds it)."""
+    name = shm_file(buffer)
+    return name is None or os.path.exists(os.path.join("/dev/shm", name.lstrip("/")))
+
+
 class TensorSender(BucketedSender):
     name = NAME
 
@@ -57,7 +69,7 @@ class TensorSender(BucketedSender):
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
         # A private copy in shared memory: the published version stays immutable while training goes on.
         size = ALIGN + sum(_aligned(t.numel() * t.element_size()) for _, t in bucket)
-        if index < len(self._slot) and self._slot[index].numel() >= size:
+        if index < len(self._slot) and self._slot[index].numel() >= size and _file_alive(self._slot[index]):
             buffer = self._slot[index]
         else:
             buffer = new_shared(size, torch.device("cuda") if bucket[0][1].is_cuda else torch.device("cpu"))
