@@ -154,8 +154,9 @@ def main() -> None:
             f"Latency: publish → pause (in_place) → load → resume, median of {repeats} pushes after a warm-up. "
             "Per byte of the version, counted in this process (the trainer's sender and the engine's client; "
             "`miles_sync.copies`): memory copies are bytes written by torch operations in the pushing thread, file + "
-            "socket bytes those written and read by system calls (a broadcast to the engine's own rank and a server "
-            "writes each byte twice to sockets). The SGLang server's own load is another process and not counted.",
+            "socket bytes those written to files and sockets and read from files by system calls (a broadcast to "
+            "the engine's own rank and a server writes each byte twice to sockets; what a socket receives is not "
+            "counted). The SGLang server's own load is another process and not counted.",
             "",
             table(
                 [

@@ -221,6 +221,10 @@ def test_tensor_transport_keeps_recent_versions_and_frees_shared_memory(tmp_path
     for name, tensor in moved:
         assert torch.equal(got[name], tensor), name
     del got  # what this process mapped must go before its memory is released (as for any released version)
+    again = sender.publish(moved, weight_version=2)  # the same number again (a push after a roll-back)
+    with pytest.raises(FileNotFoundError, match="weight version 2: its shared memory now holds version 2"):
+        list(read_buckets(second))  # the stamp tells publishes apart, not only version numbers
+    assert read_all(again).keys() == {n for n, _ in moved}
     bigger = sample_weights() + [("extra", torch.randn(300))]
     assert read_all(sender.publish(bigger, weight_version=3)).keys() == {n for n, _ in bigger}
     sender.close()

@@ -85,20 +85,26 @@ def _weights(num_bytes: int):
     return [(f"layer.{i}.weight", torch.randn(MIB // 4)) for i in range(count)]
 
 
-def _push(transport: str, weights, bucket_bytes: int, folder: Path) -> tuple[float, int]:
-    """Seconds from publish until every bucket is held by a receiver in this process; number of buckets."""
-    from miles_sync import build_sender, read_buckets, sync_config
+def _sender(transport: str, bucket_bytes: int, folder: Path):
+    from miles_sync import build_sender, sync_config
 
     fields: dict = {"transport": transport, "bucket_bytes": bucket_bytes, "dtype": None, "keep_versions": 1}
     if transport == "disk":
         fields["dir"] = str(folder)
     if transport in CONCURRENT:
         fields.pop("keep_versions")
-    sender = build_sender(sync_config(**fields), receiver_ranks=1)
+    return build_sender(sync_config(**fields), receiver_ranks=1)
+
+
+def _push(sender, weights, version: int) -> tuple[float, int]:
+    """Seconds from publish until every bucket is held by a receiver in this process; number of buckets."""
+    from miles_sync import read_buckets
+
+    transport = sender.name
     received: list = []
     try:
         start = time.perf_counter()
-        handle = sender.publish(weights, weight_version=1)
+        handle = sender.publish(weights, weight_version=version)
         if transport in CONCURRENT:
             thread = threading.Thread(target=lambda: received.extend(read_buckets(handle)), daemon=True)
             thread.start()
@@ -111,8 +117,7 @@ def _push(transport: str, weights, bucket_bytes: int, folder: Path) -> tuple[flo
             raise RuntimeError(f"{transport}: {sum(len(b) for b in received)} of {len(weights)} tensors arrived")
         return seconds, handle.num_buckets
     finally:
-        received.clear()  # mapped shared memory goes before the sender unlinks its files (torch aborts otherwise)
-        sender.close()
+        received.clear()  # mapped shared memory goes before the sender reuses or unlinks it (torch aborts otherwise)
 
 
 def memcpy_seconds_per_byte(num_bytes: int) -> float:
@@ -143,8 +148,13 @@ def measure(
             weights = _weights(size * MIB)
             for bucket in buckets_mb:
                 for transport in transports:
-                    _push(transport, weights, bucket * MIB, Path(tmp))  # warm-up
-                    runs = [_push(transport, weights, bucket * MIB, Path(tmp)) for _ in range(repeats)]
+                    # One sender for the warm-up and the measured pushes, as in a run: a sender that reuses its
+                    # buffers (tensor) is measured in its steady state.
+                    sender = _sender(transport, bucket * MIB, Path(tmp))
+                    try:
+                        runs = [_push(sender, weights, version) for version in range(1, repeats + 2)][1:]
+                    finally:
+                        sender.close()
                     point = Point(
                         transport, size * MIB, bucket * MIB, runs[0][1], statistics.median(s for s, _ in runs)
                     )

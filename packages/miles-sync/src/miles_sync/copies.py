@@ -4,8 +4,8 @@ files on its way, in the process and thread that measure (the benchmarks' "copie
 `CopyCount` is a context manager. Inside it, every torch operation that writes a new copy of data (`copy_`,
 `clone`, `_to_copy` (a cast or a device move), `cat`, `stack`, gathers by index) adds the bytes it wrote, counted
 by torch's own dispatcher (a `TorchDispatchMode`, so nothing in Miles reports its own copies); and the bytes this
-process wrote and read through system calls (files, sockets, pipes) are taken from `/proc/self/io` (`wchar`,
-`rchar`) at entry and exit. A memory-mapped read (a safetensors file mapped by the reader, a tensor mapped
+process wrote through system calls (files, sockets, pipes) and read with read(2) (files; bytes received on a socket
+with recv(2), as gloo does, are not counted) are taken from `/proc/self/io` (`wchar`, `rchar`) at entry and exit. A memory-mapped read (a safetensors file mapped by the reader, a tensor mapped
 from shared memory) is not a copy and counts nothing.
 
 What it cannot see: other processes (an SGLang server's own load), and other threads' torch operations (a dispatch
@@ -87,7 +87,7 @@ class CopyCount(TorchDispatchMode):
 
     @property
     def io_bytes(self) -> int:
-        """Bytes through system calls: files and sockets, written and read."""
+        """Bytes through system calls: written to files and sockets, read from files."""
         return self.written_bytes + self.read_bytes
 
     @property

@@ -36,7 +36,9 @@ from miles_sync.types import NamedTensor, TensorHandle
 
 NAME = "tensor"
 ALIGN = 64  # every tensor starts at a multiple of this in its bucket's buffer (any element size divides it)
-STAMP = "\x00version"  # the first entry of every payload: the version its buffer holds (not a weight's name)
+STAMP = "\x00stamp"
+"""The first entry of every payload is named `STAMP <version> <publish number>` (not a weight's name) and maps the
+buffer's first 16 bytes, where the sender wrote the same two numbers: they differ once the buffer was reused."""
 
 
 def _aligned(size: int) -> int:
@@ -76,8 +78,9 @@ class TensorSender(BucketedSender):
             replaced = self._slot[index:index + 1]  # fmt: skip
             self._slot[index:index + 1] = [buffer]  # fmt: skip
             self._drop(replaced)
-        buffer[:8].view(torch.int64).fill_(self._version)
-        shared: list[NamedTensor] = [(STAMP, buffer[:8].view(torch.int64))]
+        stamp = buffer[:16].view(torch.int64)
+        stamp[0], stamp[1] = self._version, self._published
+        shared: list[NamedTensor] = [(f"{STAMP} {self._version} {self._published}", stamp)]
         offset = ALIGN
         for name, tensor in bucket:
             nbytes = tensor.numel() * tensor.element_size()
@@ -121,9 +124,9 @@ def read(handle: TensorHandle) -> Iterator[list[NamedTensor]]:
                 f"or another machine): {exc}"
             ) from None
         (stamp, held), *tensors = bucket
-        if stamp != STAMP or int(held) != handle.weight_version:
+        if not stamp.startswith(STAMP) or stamp.split()[1:] != [str(int(v)) for v in held.tolist()]:
             raise FileNotFoundError(
-                f"weight version {handle.weight_version}: its shared memory now holds version {int(held)} (the "
+                f"weight version {handle.weight_version}: its shared memory now holds version {int(held[0])} (the "
                 "sender keeps its last sync.keep_versions versions readable)"
             )
         yield tensors
