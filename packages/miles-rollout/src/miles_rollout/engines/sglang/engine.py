@@ -196,7 +196,7 @@ class SGLangEngine:
             held = self._weight_version
             self._previous_version = None
             try:
-                self._weights.load(handle, self._delta_base, keep_previous=True)
+                self._weights.load(handle, self._delta_base)
                 self._weight_version = handle.weight_version
                 if self._server_check and not check_later:
                     for slot in [s for s in self.slots if s.admitted]:

@@ -64,8 +64,8 @@ class WeightLoader:
         self.pieces: dict | None = None  # of the last push: the row ranges its senders held (several senders)
         self.held_version = 0  # what the servers hold before a load (a delta push must be based on it)
         self.servers_touched = False  # set by each load: whether a server was asked to load part of it
-        self.keep_previous = False  # set by each load: keep the version a load replaces, for roll_back()
-        self.previous: tuple | None = None  # (tensors, wire dtype, pieces) of that version
+        self.previous: tuple | None = None  # (tensors, wire dtype, pieces) of the version a load replaced, for
+        # roll_back() and for taking it back when the check after a load fails; dropped by the next load
         self._pinned: dict[int, list[str]] = {}  # per server that failed a load: shared files it may still map
         self.set_current(initial)
 
@@ -118,7 +118,7 @@ class WeightLoader:
         return tensors
 
     def _take(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
-        self.previous = (self.current, self.wire_dtype, self.pieces) if self.keep_previous else None
+        self.previous = (self.current, self.wire_dtype, self.pieces)
         self.wire_dtype, self.pieces = handle.dtype, handle.pieces
         self.set_current(tensors)
 
@@ -145,14 +145,14 @@ class WeightLoader:
 
     # ---- loading a pushed version ---------------------------------------------------------------
 
-    def load(self, handle: WeightHandle, held_version: int, keep_previous: bool = False) -> None:
+    def load(self, handle: WeightHandle, held_version: int) -> None:
         """Load the pushed version into every admitted server (quarantining those the transport fails); the
         servers hold `held_version` now (a delta push must be based on it). The handle's transport decides,
         through the capabilities below: `load_folder` (the servers read the folder), `join_group` (the servers
         join the collective group) or `load_tensors` (this process hands them its tensors in shared memory)."""
         self.held_version = held_version
         self.servers_touched = False  # True once a server was asked to load part of this version
-        self.keep_previous, self.previous = keep_previous, None
+        self.previous = None
         receive(handle, self)
 
     def restore(self, version: int, check: bool) -> list[Slot]:
