@@ -70,12 +70,19 @@ class ServerEngine(Collector):
         self.tensors = {name: tensor for bucket in receive_as(1) for name, tensor in bucket}
 
 
-@pytest.fixture(params=TRANSPORTS)
+UNPIPELINED = "tensor-unpipelined"
+"""The `tensor` transport without `sync.pipeline` (every copy ends inside `publish`; `tensor` itself hands the
+version out before its copies end): it passes the same contract suite."""
+
+
+@pytest.fixture(params=[*TRANSPORTS, UNPIPELINED])
 def transport(request):
     return request.param
 
 
 def make_sender(transport: str, tmp_path, **kwargs):
+    if transport == UNPIPELINED:
+        transport, kwargs["pipeline"] = "tensor", False
     if transport == "disk":
         kwargs.setdefault("dir", str(tmp_path / "w"))
     return build_sender(sync_config(transport=transport, **kwargs))
@@ -124,6 +131,8 @@ def test_published_version_is_immutable(transport, tmp_path):
     weights = sample_weights()
     sender = make_sender(transport, tmp_path)
     handle = sender.publish(weights, weight_version=1)
+    if transport == "tensor":
+        sender.wait()  # it copies until then (sync.pipeline): the runtime waits before the next train step
     weights[0][1].add_(1.0)  # the trainer keeps training after publishing
     got = read_all(handle)
     assert got["model.embed_tokens.weight"].sum() != weights[0][1].sum()
@@ -178,16 +187,19 @@ print(weight_fingerprint([p for bucket in buckets for p in bucket]))
 """
 
 
-def read_in_subprocess(handle, rank: int = 1) -> subprocess.Popen:
+def read_in_subprocess(handle, rank: int = 1, stderr=None) -> subprocess.Popen:
     payload = tempfile.NamedTemporaryFile(suffix=".pkl", delete=False)
     payload.write(pickle.dumps(handle))
     payload.close()
     return subprocess.Popen(
-        [sys.executable, "-c", READ_IN_CHILD, str(rank)], stdin=open(payload.name, "rb"), stdout=subprocess.PIPE
+        [sys.executable, "-c", READ_IN_CHILD, str(rank)],
+        stdin=open(payload.name, "rb"),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
     )
 
 
-@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
+@pytest.mark.parametrize("transport", ["tensor", UNPIPELINED, "broadcast"])
 def test_another_process_receives_the_exact_weights(transport, tmp_path):
     weights = sample_weights()
     sender = make_sender(transport, tmp_path, bucket_bytes=300)
@@ -245,6 +257,122 @@ def test_tensor_payloads_read_by_two_processes_do_not_break_later_versions(tmp_p
                 out, _ = child.communicate(timeout=120)
                 assert child.returncode == 0, f"version {version}"
                 assert out.decode().strip() == handle.fingerprint
+    finally:
+        sender.close()
+
+
+def test_a_pipelined_tensor_handle_goes_out_before_the_copies_and_readers_wait_for_each_bucket(tmp_path, monkeypatch):
+    import threading
+
+    from miles_sync.transports import tensor
+
+    copying, release = threading.Event(), threading.Event()
+    fill = tensor._fill
+
+    def held_fill(header, views, bucket):
+        copying.set()
+        assert release.wait(30)
+        fill(header, views, bucket)
+
+    monkeypatch.setattr(tensor, "_fill", held_fill)
+    monkeypatch.setattr(tensor, "QUEUED", 100)  # every bucket queued behind the held copy
+    weights = sample_weights()
+    sender = make_sender("tensor", tmp_path, pipeline=True, bucket_bytes=300, ready_timeout_s=0.5)
+    try:
+        handle = sender.publish(weights, weight_version=1)  # returns while the first copy is held
+        assert copying.wait(30) and handle.num_buckets > 1
+        # Another process (a payload is read once per process) gives up after ready_timeout_s.
+        child = read_in_subprocess(handle, stderr=subprocess.PIPE)
+        _, err = child.communicate(timeout=120)
+        assert child.returncode != 0
+        assert "TimeoutError: weight version 1: a bucket was not written within 0.5 s" in err.decode()
+        release.set()
+        sender.wait()
+
+        release.clear()
+        copying.clear()
+        handle = sender.publish(weights, weight_version=2)
+        assert copying.wait(30)
+        got: dict = {}
+        reader = threading.Thread(target=lambda: got.update(read_all(handle)))
+        reader.start()
+        time.sleep(0.2)
+        assert not got and reader.is_alive(), "the reader waits for the bucket"
+        release.set()
+        sender.wait()
+        reader.join(30)
+        assert weight_fingerprint(got.items()) == handle.fingerprint == weight_fingerprint(weights)
+        got.clear()  # the mapped buckets go before the sender frees their memory
+    finally:
+        release.set()
+        sender.close()
+
+
+def test_a_pipelined_publish_queues_a_few_buckets_not_the_whole_version(tmp_path, monkeypatch):
+    """Buckets waiting for the copying thread hold their tensors (casts, quantized copies): publish waits once
+    `QUEUED` are waiting, so a push never holds a second copy of the model."""
+    import threading
+
+    from miles_sync.transports import tensor
+
+    release, filled = threading.Event(), []
+    fill = tensor._fill
+
+    def held_fill(header, views, bucket):
+        assert release.wait(30)
+        fill(header, views, bucket)
+        filled.append(len(bucket))
+
+    monkeypatch.setattr(tensor, "_fill", held_fill)
+    monkeypatch.setattr(tensor, "QUEUED", 1)
+    sender = make_sender("tensor", tmp_path, pipeline=True, bucket_bytes=300)
+    handles: list = []
+    try:
+        publishing = threading.Thread(target=lambda: handles.append(sender.publish(sample_weights(), 1)))
+        publishing.start()
+        time.sleep(0.3)
+        assert publishing.is_alive() and not handles, "publish waits for the held copy"
+        assert len(sender._copies) == 2  # the one being copied and one queued
+        release.set()
+        publishing.join(30)
+        assert handles[0].num_buckets > 2
+        assert weight_fingerprint(read_all(handles[0]).items()) == handles[0].fingerprint
+    finally:
+        release.set()
+        sender.close()
+
+
+def test_a_failed_pipelined_copy_fails_its_readers_and_the_senders_wait(tmp_path, monkeypatch, caplog):
+    from miles_sync.transports import tensor
+
+    fill = tensor._fill
+
+    def broken_fill(header, views, bucket):
+        name, tensor_ = bucket[-1]
+        fill(header, views, [*bucket[:-1], (name, tensor_.new_zeros(tensor_.numel() + 1))])  # cannot be copied
+
+    monkeypatch.setattr(tensor, "_fill", broken_fill)
+    sender = make_sender("tensor", tmp_path, pipeline=True, ready_timeout_s=30)
+    try:
+        handle = sender.publish(sample_weights(), weight_version=7)
+        with pytest.raises(RuntimeError, match="weight version 7: the sender failed while copying it") as failed:
+            read_all(handle)
+        del failed  # its frames hold the mapped buckets, which must go before the sender frees their memory
+        gc.collect()
+        with pytest.raises(RuntimeError, match="size"):  # torch's own error about the copy
+            sender.wait()
+        sender.wait()  # reported once
+        # Nobody waits this time (the runtime's push failed at the engine): close() logs the error, and the
+        # buffers the copy's frames referenced are freed with the rest (torch aborts the process otherwise).
+        handle = sender.publish(sample_weights(), weight_version=8)
+        with pytest.raises(RuntimeError, match="weight version 8: the sender failed") as failed:
+            read_all(handle)
+        del failed
+        gc.collect()
+        with caplog.at_level("ERROR", logger="miles_sync.transports.tensor"):
+            sender.close()
+        gc.collect()
+        assert "copying weight version 8 failed" in caplog.text
     finally:
         sender.close()
 
@@ -452,6 +580,7 @@ def test_each_transport_has_its_own_typed_handle(transport, tmp_path):
     import miles_sync
 
     sender = make_sender(transport, tmp_path)
+    transport = transport.removesuffix("-unpipelined")  # same handle
     try:
         handle = sender.publish(sample_weights(), weight_version=2)
         read_all(handle)  # a collective transport's sender finishes once a receiver took the version
@@ -466,7 +595,7 @@ def test_each_transport_has_its_own_typed_handle(transport, tmp_path):
             == {
                 "inproc": {"buckets"},
                 "disk": {"location", "compression"},
-                "tensor": {"payloads"},
+                "tensor": {"payloads", "ready_timeout_s"},
                 "broadcast": {"group", "layout"},
                 "p2p": {"group", "num_senders", "parts", "max_buckets_in_flight"},
             }[transport]

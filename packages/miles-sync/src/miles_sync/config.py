@@ -154,6 +154,16 @@ class TensorSync(SyncBase):
 
     transport: Literal["tensor"] = "tensor"
     keep_versions: int = Field(2, ge=1, description="How many published versions stay readable.")
+    pipeline: bool = Field(
+        True,
+        description="Hand out the version before its buckets are copied: the copies run in the sender's thread while "
+        "the engines load the buckets already written (each bucket's header says when it is complete). The trainer "
+        "must not change its weights before `wait()` (the runtime waits before the next step). false: every copy "
+        "ends inside `publish`.",
+    )
+    ready_timeout_s: float = Field(
+        120.0, gt=0, description="pipeline: how long a receiver waits for one bucket to be written."
+    )
 
 
 class GroupSync(SyncBase):

@@ -77,6 +77,8 @@ class TensorHandle(WeightHandle):
 
     transport: Literal["tensor"] = "tensor"
     payloads: list[str] = field(repr=False)
+    ready_timeout_s: float = 120.0
+    """How long a receiver waits for a bucket the sender is still copying (`sync.pipeline`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

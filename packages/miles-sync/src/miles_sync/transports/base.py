@@ -99,7 +99,9 @@ class BucketedSender:
 
     def wait(self) -> None:
         """Block until the last published version has reached the receivers and raise the transport's error if
-        it failed. Senders that finish inside `publish` (all but broadcast) return at once."""
+        it failed. The trainer must not change the published tensors before it returns (a pipelined `tensor` sender
+        still copies them). Senders that finish inside `publish` (`disk`, `inproc`, `tensor` without
+        `sync.pipeline`) return at once."""
 
     def close(self) -> None:
         pass

@@ -10,14 +10,25 @@ holds, so a payload unpickled after its slot was reused fails naming both versio
 version's bytes; tensors mapped before the reuse see the new bytes (a receiver copies what it keeps, as every
 engine does). Every pickling pins a /dev/shm file that
 only an unpickling releases, so `close()` drops the buffers and unlinks the files that unread payloads still pin.
+
+With `sync.pipeline` the handle goes out before the data is in place: the buffers are allocated and serialized in
+`publish`, and the copies run in the sender's own thread, bucket after bucket, while the engines load the buckets
+already written (`wait()` ends them). Each buffer's header holds a state beside the version (being written, complete,
+failed), written after the bucket's bytes; `read` waits for "complete" (`ready_timeout_s`) before it hands a bucket
+on. A store is seen by another process in the order it was made on x86 (and the copy's threads are joined before the
+state is written); on weaker memory models the state would need a fence.
 A handle's payload is meant to be read once per process: a receiver that hands tensors on (an engine feeding
 several servers) re-serializes its own mapped tensors, one payload per reader.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 
 import torch
 
@@ -38,7 +49,14 @@ NAME = "tensor"
 ALIGN = 64  # every tensor starts at a multiple of this in its bucket's buffer (any element size divides it)
 STAMP = "\x00stamp"
 """The first entry of every payload is named `STAMP <version> <publish number>` (not a weight's name) and maps the
-buffer's first 16 bytes, where the sender wrote the same two numbers: they differ once the buffer was reused."""
+buffer's header: the same two numbers as int64 (they differ once the buffer was reused), then the bucket's state."""
+WRITING, READY, FAILED = 0, 1, 2
+"""States of a bucket in its header: being copied, complete, the copy failed."""
+QUEUED = 2
+"""sync.pipeline: buckets waiting for the copying thread at most; `publish` waits beyond that, so that a push holds
+a few buckets besides the trainer's weights (casts, quantized copies), not a second model."""
+
+log = logging.getLogger(__name__)
 
 
 def _aligned(size: int) -> int:
@@ -62,14 +80,18 @@ class TensorSender(BucketedSender):
         use_file_system_sharing()
         self._ring: list[list[torch.Tensor]] = [[] for _ in range(config.keep_versions)]  # per slot, per bucket
         self._published = 0
+        self._copier: ThreadPoolExecutor | None = None  # sync.pipeline: the thread that copies the buckets
+        self._copies: list[Future] = []  # of the last version
 
     def _begin(self, weight_version: int) -> None:
+        self.wait()  # the last version's copies end before a slot of the ring is written again
         self._slot = self._ring[self._published % len(self._ring)]  # the oldest kept version's: reused
         self._version = weight_version
         self._payloads: list[str] = []
 
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
-        # A private copy in shared memory: the published version stays immutable while training goes on.
+        # A private copy in shared memory: the published version stays immutable while training goes on (pipelined:
+        # once `wait()` returned).
         size = ALIGN + sum(_aligned(t.numel() * t.element_size()) for _, t in bucket)
         if index < len(self._slot) and self._slot[index].numel() >= size and _file_alive(self._slot[index]):
             buffer = self._slot[index]
@@ -78,24 +100,46 @@ class TensorSender(BucketedSender):
             replaced = self._slot[index:index + 1]  # fmt: skip
             self._slot[index:index + 1] = [buffer]  # fmt: skip
             self._drop(replaced)
-        stamp = buffer[:16].view(torch.int64)
-        stamp[0], stamp[1] = self._version, self._published
-        shared: list[NamedTensor] = [(f"{STAMP} {self._version} {self._published}", stamp)]
+        header = buffer[:24].view(torch.int64)
+        header[0], header[1], header[2] = self._version, self._published, WRITING
+        shared: list[NamedTensor] = [(f"{STAMP} {self._version} {self._published}", header)]
         offset = ALIGN
         for name, tensor in bucket:
             nbytes = tensor.numel() * tensor.element_size()
-            view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor)
-            shared.append((name, view))
+            shared.append((name, buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)))
             offset += _aligned(nbytes)
-        self._payloads.append(serialize_bucket(shared))
+        self._payloads.append(serialize_bucket(shared))  # names the memory only: it may be filled afterwards
+        if self.config.pipeline:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-tensor-copy")
+            queued = [f for f in self._copies if not f.done()]
+            wait_for(queued[: max(0, len(queued) - QUEUED)])
+            self._copies.append(self._copier.submit(_fill, header, shared[1:], bucket))
+        else:
+            _fill(header, shared[1:], bucket)
 
     def _finish(self, common: dict) -> TensorHandle:
         past = self._slot[common["num_buckets"] :]  # a smaller version: buckets past its last are not kept
         del self._slot[common["num_buckets"] :]
         self._drop(past)
         self._published += 1
-        return TensorHandle(**common, payloads=self._payloads)
+        return TensorHandle(**common, payloads=self._payloads, ready_timeout_s=self.config.ready_timeout_s)
+
+    def wait(self) -> None:
+        """`sync.pipeline`: block until every bucket of the last version is written; raise the first copy's error."""
+        errors = self._end_copies()
+        if errors:
+            raise errors[0]
+
+    def _end_copies(self) -> list[BaseException]:
+        """Wait for the copies in flight; their errors, without the copies' frames: those hold views of the buffers,
+        which would outlive `close()` (and torch aborts a process that drops a shared tensor whose file is gone)."""
+        copies, self._copies = self._copies, []
+        errors = [exc for future in copies if (exc := future.exception()) is not None]
+        del copies
+        for exc in errors:
+            exc.with_traceback(None)
+        return errors
 
     def _drop(self, buffers: list[torch.Tensor]) -> None:
         """Free buffers taken out of the ring (their version is released; `buffers` holds the last reference),
@@ -104,6 +148,11 @@ class TensorSender(BucketedSender):
         release_files([buffers], files)
 
     def close(self) -> None:
+        for error in self._end_copies():  # the buffers are written to until then; an error nobody waited for:
+            log.error("tensor transport: copying weight version %s failed: %r", self._version, error)
+        if self._copier is not None:
+            self._copier.shutdown()
+            self._copier = None
         files = [f for slot in self._ring for b in slot if (f := shm_file(b))]
         keep = len(self._ring)
         release_files(self._ring, files)  # empties every slot in place (`_slot` too), then the ring
@@ -113,8 +162,47 @@ class TensorSender(BucketedSender):
 Sender = TensorSender
 
 
+def _fill(header: torch.Tensor, views: list[NamedTensor], bucket: list[NamedTensor]) -> None:
+    """Copy a bucket's tensors into their places in its buffer, then mark it complete (or failed) in its header."""
+    try:
+        for (_, view), (_, tensor) in zip(views, bucket, strict=True):
+            view.copy_(tensor)
+    except BaseException:
+        header[2] = FAILED
+        raise
+    header[2] = READY
+
+
+def _wait_ready(handle: TensorHandle, stamp: str, header: torch.Tensor) -> None:
+    """Return once the bucket whose header this is was written for `handle`'s version; raise if its slot now holds
+    another version, if the sender failed writing it, or after `ready_timeout_s`."""
+    version = handle.weight_version
+    deadline, pause = time.monotonic() + handle.ready_timeout_s, 1e-4
+    while True:
+        held_version, held_publish, state = (int(v) for v in header.tolist())
+        if not stamp.startswith(STAMP) or stamp.split()[1:] != [str(held_version), str(held_publish)]:
+            raise FileNotFoundError(
+                f"weight version {version}: its shared memory now holds version {held_version} (the sender keeps its "
+                "last sync.keep_versions versions readable)"
+            )
+        if state == READY:
+            return
+        if state == FAILED:
+            raise RuntimeError(
+                f"weight version {version}: the sender failed while copying it (its wait() raises the error; the "
+                "trainer's log names it)"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"weight version {version}: a bucket was not written within {handle.ready_timeout_s} s "
+                "(sync.ready_timeout_s): the sender stopped while copying it?"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 5e-3)
+
+
 def read(handle: TensorHandle) -> Iterator[list[NamedTensor]]:
-    """The buckets, mapped from the sender's shared memory (no copy)."""
+    """The buckets, mapped from the sender's shared memory (no copy), each once it is written."""
     for payload in handle.payloads:
         try:
             bucket = deserialize_bucket(payload)
@@ -123,12 +211,8 @@ def read(handle: TensorHandle) -> Iterator[list[NamedTensor]]:
                 f"weight version {handle.weight_version}: its shared memory is gone (released by the sender, "
                 f"or another machine): {exc}"
             ) from None
-        (stamp, held), *tensors = bucket
-        if not stamp.startswith(STAMP) or stamp.split()[1:] != [str(int(v)) for v in held.tolist()]:
-            raise FileNotFoundError(
-                f"weight version {handle.weight_version}: its shared memory now holds version {int(held[0])} (the "
-                "sender keeps its last sync.keep_versions versions readable)"
-            )
+        (stamp, header), *tensors = bucket
+        _wait_ready(handle, stamp, header)
         yield tensors
 
 
