@@ -176,13 +176,27 @@ def test_receive_weights_sets_version_and_fingerprint(engine, tiny_model_dir, tm
     assert engine.weight_version == 2
 
 
-def test_receive_rejects_incomplete_or_foreign_weights(engine, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("transport", ["disk", "tensor"])  # SGLang: servers read the folder / take each bucket
+def test_receive_rejects_incomplete_or_foreign_weights(engine, tiny_model_dir, tmp_path, transport):
+    """Refused whole, before any weight is touched (a ValueError that names the engine, not a WeightPushError)."""
     weights = new_weights(tiny_model_dir)
     before = engine.weight_fingerprint()
-    with pytest.raises(ValueError, match="lacks 1 parameter"):
-        engine.receive(publish(weights[:-1], 3, tmp_path / "a"))
-    with pytest.raises(ValueError, match=r"unknown weights \['not.a.weight'\]"):
-        engine.receive(publish([*weights, ("not.a.weight", torch.zeros(1))], 3, tmp_path / "b"))
+    senders = []
+
+    def push(tensors, folder):
+        if transport == "disk":
+            return publish(tensors, 3, folder)
+        senders.append(build_sender(sync_config(transport="tensor", bucket_bytes=8192)))
+        return senders[-1].publish(tensors, weight_version=3)
+
+    try:
+        with pytest.raises(ValueError, match=f"{engine.name} engine: weight version 3 lacks 1 parameter"):
+            engine.receive(push(weights[:-1], tmp_path / "a"))
+        with pytest.raises(ValueError, match=r"unknown weights \['not.a.weight'\]"):
+            engine.receive(push([*weights, ("not.a.weight", torch.zeros(1))], tmp_path / "b"))
+    finally:
+        for sender in senders:
+            sender.close()
     assert engine.weight_version == 0
     assert engine.weight_fingerprint() == before  # nothing was half-loaded
 
@@ -260,7 +274,7 @@ def test_a_delta_push_sends_only_what_changed_and_the_engine_holds_the_whole_ver
             finally:
                 stale.close()
             assert engine.weight_version == 2 and engine.weight_fingerprint() == weight_fingerprint(moved)
-            # a refused push touched no weight (both engines check it whole first): a delta on version 2 follows
+            # a refused push touched no weight (refused at its first bucket): a delta on version 2 follows
             follow = sender.publish([(n, t + 0.01) for n, t in moved], weight_version=3)
             assert follow.base_version == 2
             assert engine.receive(follow) == follow.fingerprint
@@ -274,8 +288,9 @@ def test_a_push_that_breaks_mid_way_leaves_the_engine_on_its_previous_version(
 ):
     """The receiving side's stream of buckets dies after the first bucket (the transport's own `read` raises
     there): the engine raises a WeightPushError that names it, keeps its version number, and holds the previous
-    weights (SGLang: verified against every server's checksums). SGLang's servers take a broadcast bucket by bucket
-    as it arrives: the engine reloads the previous version into them from its own copy."""
+    weights (SGLang: verified against every server's checksums). SGLang's servers take each bucket as it arrives
+    (all transports but disk, whose folder they read once the engine read all of it): the engine reloads the
+    previous version into them from its own copy."""
     import miles_sync.transports as registry
 
     weights = new_weights(tiny_model_dir)
@@ -303,8 +318,8 @@ def test_a_push_that_breaks_mid_way_leaves_the_engine_on_its_previous_version(
         assert re.search(rf"holds? version {version}\b", message), message
         if engine.name == "sglang":  # every server serves again, on the previous version (checked below)
             assert all(slot.admitted for slot in engine.slots) and all(slot.url in message for slot in engine.slots)
-            # only a broadcast reaches the servers before the engine has the whole version: they are reloaded
-            expected = "again (reloaded from this engine's copy, verified)" if transport == "broadcast" else "nothing"
+            # the servers had begun loading (all but disk): they are reloaded
+            expected = "nothing" if transport == "disk" else "again (reloaded from this engine's copy, verified)"
             assert expected in message, message
         assert isinstance(failed.value.__cause__, ConnectionResetError)
         carried = pickle.loads(pickle.dumps(failed.value))  # as Ray hands it from the rollout actor to the driver
@@ -327,7 +342,7 @@ def test_a_push_that_breaks_mid_way_leaves_the_engine_on_its_previous_version(
         retry.close()
 
 
-@pytest.mark.parametrize("transport", ["tensor", "broadcast"])  # loaded as a whole / bucket by bucket on SGLang
+@pytest.mark.parametrize("transport", ["tensor", "broadcast"])  # SGLang: through shared memory / the group
 def test_a_version_checked_after_resume_can_be_rolled_back(engine, tiny_model_dir, transport):
     """`receive(..., check_later=True)` takes a version without checking it ("" back) and keeps the previous one;
     `weight_fingerprint()` checks it while generation runs; `roll_back()` returns to the previous version (SGLang:

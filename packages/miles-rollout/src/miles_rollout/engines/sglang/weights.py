@@ -5,7 +5,8 @@ The loader offers the transports' receivers (`miles_sync.receive`) three ways in
 transport a handle came from:
 - `load_folder`: `/update_weights_from_disk` on a published folder;
 - `load_tensors`: `/begin_weight_update` → `/update_weights_from_tensor` per bucket (shared-memory handles,
-  CUDA IPC on GPU) → `/end_weight_update`;
+  CUDA IPC on GPU) → `/end_weight_update`, each bucket handed to the servers as it arrives (they load it while the
+  transport delivers the next one);
 - `join_group`: `/init_weights_update_group` on every server, then per bucket
   `/update_weights_from_distributed` while the trainer sends; this process joins the group too
   (rank 1) and receives a copy, which is what the check and recovery need.
@@ -13,20 +14,22 @@ transport a handle came from:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from pathlib import Path
 
 import httpx
 import torch
 from safetensors.torch import load_file
 
-from miles_rollout.engines.checks import check_push, held_fingerprint
+from miles_rollout.engines.checks import check_names, check_push, held_fingerprint
 from miles_rollout.engines.sglang.calls import ServerCalls, on_admitted, tp_size
 from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.pause import PauseControl
 from miles_rollout.engines.sglang.router import Router, Slot
 from miles_rollout.engines.sglang.server import EngineStartError
+from miles_rollout.engines.sglang.stream import BucketStream
 from miles_sync import BroadcastHandle, DiskHandle, NamedTensor, WeightHandle, receive, weight_fingerprint
 from miles_sync.protocol import Buckets
 
@@ -104,6 +107,23 @@ class WeightLoader:
     def _checked(self, handle: WeightHandle, tensors: list[NamedTensor]) -> list[NamedTensor]:
         """The whole version `tensors` make (a delta push's changed ones over the current version), or ValueError
         naming what the engine refuses. Changes nothing: the current version stays until `_take`."""
+        self._check_packed(handle)
+        check_push(self.name, handle, {name for name, _ in tensors}, self.names, self.held_version)
+        if handle.base_version is not None:  # the rest of the version is what the servers already hold
+            changed = dict(tensors)
+            tensors = [(name, changed.get(name, tensor)) for name, tensor in self.current]
+        return tensors
+
+    def _refuse_early(self, handle: WeightHandle, names: set[str]) -> None:
+        """What one bucket shows before any server loads it: the wrong packed layout, a delta on a version the
+        servers do not hold, tensors the model does not have (a missing one shows at the end: `_checked`)."""
+        self._check_packed(handle)
+        if handle.base_version is not None:
+            check_push(self.name, handle, names, self.names, self.held_version)
+            return
+        check_names(self.name, handle.weight_version, names, names & self.names)
+
+    def _check_packed(self, handle: WeightHandle) -> None:
         if handle.packed != self.packed:
             held = f"packed {self.packed} weights" if self.packed else "plain-value weights"
             sent = f"packed {handle.packed} weights" if handle.packed else "plain-value weights"
@@ -111,11 +131,6 @@ class WeightLoader:
                 f"{self.name} engine: weight version {handle.weight_version} carries {sent} but the servers hold "
                 f"{held}: sync.quant_wire must be the same for the engine and every push"
             )
-        check_push(self.name, handle, {name for name, _ in tensors}, self.names, self.held_version)
-        if handle.base_version is not None:  # the rest of the version is what the servers already hold
-            changed = dict(tensors)
-            tensors = [(name, changed.get(name, tensor)) for name, tensor in self.current]
-        return tensors
 
     def _take(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
         self.previous = (self.current, self.wire_dtype, self.pieces)
@@ -204,35 +219,60 @@ class WeightLoader:
         self._take(handle, tensors)
 
     def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:
-        """Hand the tensors to every server as shared-memory handles: tensors already in shared memory (mapped
-        from a `tensor` push) as they are, others through one copy into shared memory, freed after the load."""
+        """Hand the tensors to every server as shared-memory handles, bucket by bucket as the transport delivers
+        them: tensors already in shared memory (mapped from a `tensor` push) as they are, others through one copy
+        into shared memory, freed after the load. The servers load a bucket while the next one arrives (and this
+        process copies what it keeps); a bucket the model cannot take is refused before any server sees it (before
+        any server is touched when it is the first, as is a whole version whose number of tensors is not the
+        model's), and a version found wrong later fails before its last bucket reaches the servers, after which
+        the engine rolls them back (`servers_touched`)."""
         from miles_sync.shared import into_shared, shm_file, use_file_system_sharing
 
         use_file_system_sharing()
-        received = list(buckets)
-        shared = [[(n, t if t.is_shared() else into_shared(t)) for n, t in bucket] for bucket in received]
-        copies = [
-            f
-            for mine, theirs in zip(shared, received, strict=True)
-            for (_, s), (_, t) in zip(mine, theirs, strict=True)
-            if s is not t and (f := shm_file(s))
-        ]
+        router = self._parts()[0]
+        if handle.base_version is None and handle.pieces is None and handle.num_tensors != len(self.names):
+            # A whole version of another size than the model's cannot load: read it all to name what it lacks or
+            # adds, before any server is touched (row shards, `pieces`, count once per piece).
+            whole = [pair for bucket in buckets for pair in bucket]
+            self._checked(handle, whole)
+            buckets = iter([whole])
+        stream = BucketStream()
+        kept: list[NamedTensor] = []  # this process's copy of the version, for the check and recovery
+        copies: list[str] = []  # files of our own copies into shared memory
         outcome: dict[int, bool] = {}
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-load")
+        loading = None
+
+        def load(slot: Slot) -> None:
+            self._tracked(slot, outcome, lambda: self.load_buckets(slot, stream, handle.weight_version))
+
         try:
-            # The version kept here must outlive the sender's shared memory: mapped tensors are copied.
-            tensors = self._checked(
-                handle, [(n, t.clone() if t.is_shared() else t) for bucket in received for n, t in bucket]
-            )
-            self.servers_touched = True
-            on_admitted(
-                self.slots,
-                self._parts()[0],
-                lambda s: self._tracked(s, outcome, lambda: self.load_buckets(s, shared, handle.weight_version)),
-                "tensor update",
-            )
+            try:
+                for bucket in buckets:
+                    self._refuse_early(handle, {name for name, _ in bucket})
+                    shared = [(n, t if t.is_shared() else into_shared(t)) for n, t in bucket]
+                    copies += [
+                        f for (_, s), (_, t) in zip(shared, bucket, strict=True) if s is not t and (f := shm_file(s))
+                    ]
+                    stream.put(shared)
+                    if loading is None:
+                        self.servers_touched = True
+                        loading = pool.submit(on_admitted, self.slots, router, load, "tensor update")
+                    # The version kept here must outlive the sender's shared memory: mapped tensors are copied.
+                    kept += [(n, t.clone() if t.is_shared() else t) for n, t in bucket]
+                tensors = self._checked(handle, kept)  # before the last bucket (it carries the version) goes on
+            except BaseException:
+                stream.close(failed=True)
+                raise
+            stream.close()
+            if loading is not None:
+                loading.result()
             self._take(handle, tensors)
         finally:
-            self._release(shared, copies, outcome)
+            if loading is not None:
+                wait_for([loading])  # the servers' loads end (a broken stream stops them) before their files go
+            pool.shutdown()
+            self._release(stream.buckets, copies, outcome)
 
     def _tracked(self, slot: Slot, outcome: dict[int, bool], load: Callable[[], None]) -> None:
         """Run a server's load, noting whether it answered (`outcome[index]`: True when it loaded, False when the
@@ -282,15 +322,19 @@ class WeightLoader:
             if slot.server is not None:
                 self.server_gone(slot)
 
-    def load_buckets(self, slot: Slot, buckets: list[list[NamedTensor]], version: int) -> None:
-        """`/update_weights_from_tensor` per bucket, inside `/begin_weight_update` … `/end_weight_update`."""
+    def load_buckets(self, slot: Slot, buckets: Iterable[list[NamedTensor]], version: int) -> None:
+        """`/update_weights_from_tensor` per bucket, inside `/begin_weight_update` … `/end_weight_update`. A bucket
+        is sent once the next one is there or `buckets` ended (the last one carries the version)."""
         from miles_sync.shared import serialize_bucket, use_file_system_sharing
 
         use_file_system_sharing()
         self.calls.post(slot.url, "/begin_weight_update")
         try:
-            for i, bucket in enumerate(buckets):
-                last = i == len(buckets) - 1
+            ahead = iter(buckets)
+            following = next(ahead, None)
+            while following is not None:
+                bucket, following = following, next(ahead, None)
+                last = following is None
                 payloads = [serialize_bucket(bucket) for _ in range(tp_size(slot))]
                 body = {"serialized_named_tensors": payloads, **self._parts()[1].cache_flush_flag(slot, last)}
                 if last:
