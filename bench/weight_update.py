@@ -36,7 +36,9 @@ SIZES = {  # name: (hidden, layers)
     "63 MB": (512, 4),
     "500 MB": (1024, 8),
 }
-TRANSPORTS = ("disk", "tensor", "broadcast", "p2p")
+TRANSPORTS = ("disk", "tensor", "tensor-unpipelined", "broadcast", "p2p")
+"""`tensor` with its default `sync.pipeline` (the engine loads bucket k while the sender copies bucket k+1), and
+`tensor-unpipelined` without (every copy ends in publish)."""
 
 
 def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
@@ -101,9 +103,8 @@ def main() -> None:
         version = 0
         try:
             for transport in args.transports or TRANSPORTS:
-                config = sync_config(
-                    transport=transport, **({"dir": str(workdir / transport)} if transport == "disk" else {})
-                )
+                extra = {"disk": {"dir": str(workdir / transport)}, "tensor-unpipelined": {"pipeline": False}}
+                config = sync_config(transport=transport.removesuffix("-unpipelined"), **extra.get(transport, {}))
                 ranks = engine.receiver_ranks() if needs_receiver_ranks(config) else 1
                 sender = build_sender(config, receiver_ranks=ranks)
                 times, publish_times, copies = [], [], []
@@ -156,7 +157,8 @@ def main() -> None:
             "`miles_sync.copies`): memory copies are bytes written by torch operations in the pushing thread, file + "
             "socket bytes those written to files and sockets and read from files by system calls (a broadcast to "
             "the engine's own rank and a server writes each byte twice to sockets; what a socket receives is not "
-            "counted). The SGLang server's own load is another process and not counted.",
+            "counted). The SGLang server's own load is another process and not counted, nor is `tensor`'s copy into shared memory "
+            "(pipelined: it runs in the sender's own thread; one more copy per byte than the column shows).",
             "",
             table(
                 [
