@@ -11,14 +11,15 @@ version's bytes; tensors mapped before the reuse see the new bytes (a receiver c
 engine does). Every pickling pins a /dev/shm file that
 only an unpickling releases, so `close()` drops the buffers and unlinks the files that unread payloads still pin.
 
+A handle's payload is meant to be read once per process: a receiver that hands tensors on (an engine feeding
+several servers) re-serializes its own mapped tensors, one payload per reader.
+
 With `sync.pipeline` the handle goes out before the data is in place: the buffers are allocated and serialized in
 `publish`, and the copies run in the sender's own thread, bucket after bucket, while the engines load the buckets
 already written (`wait()` ends them). Each buffer's header holds a state beside the version (being written, complete,
 failed), written after the bucket's bytes; `read` waits for "complete" (`ready_timeout_s`) before it hands a bucket
 on. A store is seen by another process in the order it was made on x86 (and the copy's threads are joined before the
 state is written); on weaker memory models the state would need a fence.
-A handle's payload is meant to be read once per process: a receiver that hands tensors on (an engine feeding
-several servers) re-serializes its own mapped tensors, one payload per reader.
 """
 
 from __future__ import annotations
