@@ -246,6 +246,47 @@ def test_rewards_over_the_api_are_functions_of_allowed_modules_only(tmp_path, mo
     assert not list(plugin.rglob("*.imported")) and "pkg" not in sys.modules  # nothing was run
 
 
+def test_generate_functions_and_environments_over_the_api_are_of_allowed_modules_only(tmp_path, monkeypatch):
+    """Like rewards: built-in names, or a top-level function (an environment: a class too) of an allowed module,
+    read from its source, never imported."""
+    import sys
+
+    from miles_control.api.policy import check_spec
+    from miles_control.api.settings import ServerSettings
+    from miles_control.config import JobSpec
+
+    plugin = tmp_path / "plug"
+    (plugin / "agents").mkdir(parents=True)
+    (plugin / "agents" / "__init__.py").write_text("")
+    (plugin / "agents" / "loop.py").write_text(
+        "open(__file__ + '.imported', 'w').close()\n"
+        "async def generate(record, client, sampling, ctx):\n    return None\n"
+        "async def short(record, client):\n    return None\n"
+        "class Calculator:\n    def reset(self, record): ...\n    def step(self, action): ...\n"
+        "def make_env(level, seed=0):\n    return Calculator()\n"
+        "def sync_generate(record, client, sampling, ctx):\n    return None\n"
+    )
+    monkeypatch.syspath_prepend(str(plugin))
+
+    def problems(rollout: dict, modules: list[str]) -> list[tuple[str, str]]:
+        spec = JobSpec.model_validate({"name": "x", "rollout": rollout})
+        return [(p["loc"][-1], p["msg"]) for p in check_spec(spec, ServerSettings(plugin_modules=modules, cpus=4))[1]]
+
+    assert problems({"generate": "multi_turn", "environment": "agents.loop:Calculator"}, ["agents"]) == []
+    assert problems({"generate": "agents.loop:generate", "environment": "agents.loop:make_env"}, ["agents"]) == []
+    [(field, msg)] = problems({"generate": "agents.loop:sync_generate"}, ["agents"])
+    assert field == "generate" and "is a plain function, not an async one" in msg
+    [(field, msg)] = problems({"generate": "agents.loop:short"}, ["agents"])
+    assert field == "generate" and "must take 4 positional argument(s); it takes 2" in msg
+    [(field, msg)] = problems({"generate": "multi_turn", "environment": "agents.loop:Calculator"}, [])
+    assert field == "environment" and "unknown environment 'agents.loop:Calculator'" in msg
+    [(field, msg)] = problems({"generate": "agents.loop:generate"}, ["other"])
+    assert field == "generate" and "use one of multi_turn, single_turn; or a function of other" in msg
+    assert not list(plugin.rglob("*.imported")) and "agents" not in sys.modules
+    [(field, msg)] = problems({"reward": "remote", "remote_reward": {"url": "http://10.0.0.1/score"}}, [])
+    assert field == "remote_reward" and "not accepted over the API" in msg
+
+
 def test_limits_are_server_settings(monkeypatch):
     from miles_control.api.policy import check_spec
     from miles_control.api.settings import ServerSettings

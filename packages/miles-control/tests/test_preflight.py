@@ -1,5 +1,6 @@
 """What a job is checked for before any actor starts, and how errors from inside the actors reach the user."""
 
+import json
 import os
 import subprocess
 import sys
@@ -129,6 +130,26 @@ def test_fp16_training_of_a_bf16_checkpoint_is_refused_unless_allowed(llama32_bf
 def test_an_unresolvable_reward_is_named(llama32_bf16):
     with pytest.raises(JobCheckError, match="rollout.reward: cannot import module 'nowhere_xyz'"):
         check_job(spec(rollout={"engine": {"type": "hf"}, "reward": "nowhere_xyz:f"}), llama32_bf16)
+
+
+def test_episodes_are_checked_before_the_job_starts(llama32_bf16, monkeypatch):
+    import sys
+    import types
+
+    with pytest.raises(JobCheckError, match="rollout.generate: cannot import module 'nowhere_xyz'"):
+        check_job(spec(rollout={"engine": {"type": "hf"}, "generate": "nowhere_xyz:f"}), llama32_bf16)
+    with pytest.raises(JobCheckError, match="rollout.environment: cannot import module 'nowhere_xyz'"):
+        episodes = {"generate": "multi_turn", "environment": "nowhere_xyz:Env"}
+        check_job(spec(rollout={"engine": {"type": "hf"}, **episodes}), llama32_bf16)
+    module = types.ModuleType("preflight_envs")
+    module.Env = type("Env", (), {"reset": lambda self, r: None, "step": lambda self, a: None})  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "preflight_envs", module)
+    episodes = {"generate": "multi_turn", "environment": "preflight_envs:Env"}
+    check_job(spec(rollout={"engine": {"type": "hf"}, **episodes}), llama32_bf16)
+    context = json.loads((llama32_bf16 / "config.json").read_text())["max_position_embeddings"]
+    too_long = {**episodes, "multi_turn": {"max_total_tokens": context + 1}}
+    with pytest.raises(JobCheckError, match=rf"max_total_tokens: {context + 1} is more than the model's context"):
+        check_job(spec(rollout={"engine": {"type": "hf"}, **too_long}), llama32_bf16)
 
 
 @pytest.mark.slow

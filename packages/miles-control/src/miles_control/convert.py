@@ -37,7 +37,7 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     for s in samples:
         groups.setdefault(s.group_index, []).append(s.reward)
     rollout_time = sum(t.end - t.start for t in batch.timings if t.stage == "rollout")
-    return {
+    return episode_metrics(batch) | {
         "rollout/reward_mean": mean,
         "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
         "rollout/response_length": batch.num_response_tokens / len(samples),
@@ -45,6 +45,24 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         "rollout/zero_std_group_frac": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
         "rollout/tokens_per_s": batch.num_response_tokens / max(rollout_time, 1e-9),
     }
+
+
+def episode_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """Of multi-turn episodes (`metadata["episode"]`): model turns per episode, the share of environment tokens
+    in the responses, and the share of episodes ending for each reason (`rollout/end_<reason>`)."""
+    episodes = [s.metadata["episode"] for s in batch.samples if isinstance(s.metadata.get("episode"), dict)]
+    if not episodes:
+        return {}
+    tokens = sum(len(s.loss_mask) for s in batch.samples)
+    env_tokens = sum(len(s.loss_mask) - sum(s.loss_mask) for s in batch.samples)
+    out = {
+        "rollout/num_turns": sum(e["num_turns"] for e in episodes) / len(episodes),
+        "rollout/env_token_frac": env_tokens / max(tokens, 1),
+    }
+    reasons = [e["end_reason"] for e in episodes]
+    for reason in sorted(set(reasons)):
+        out[f"rollout/end_{reason}"] = reasons.count(reason) / len(reasons)
+    return out
 
 
 def staleness_metrics(staleness: list[int]) -> dict[str, float]:

@@ -5,7 +5,8 @@ field to change rather than minutes later inside a Ray actor:
 - pushes can reach the engines exactly (`sync.dtype` against the dtype the engines hold);
 - fp16 training is not asked of a checkpoint that declares bfloat16 (unless `train.allow_fp16`);
 - the low-precision formats (`sync.quantization`, `train.quantization`) fit the model's linear layers;
-- the reward resolves to a function, and the chat template renders every prompt.
+- the reward, the generate function and the environment resolve; an episode fits the model's context;
+- the chat template renders every prompt.
 
 Plug-in modules (rewards named by dotted path) are found on the module search path, extended by
 MILES_PLUGIN_DIRS (`miles_rollout.plugins`): `miles run` sets it to the job file's folder here, and the
@@ -62,9 +63,10 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     check_precision(spec, model_path)
     check_quantization(spec, hf_config)
     try:
-        resolve_reward(spec.rollout.reward)
+        resolve_reward(spec.rollout.reward, spec.rollout.remote_reward)
     except ValueError as exc:
         raise JobCheckError(f"rollout.reward: {exc}") from None
+    check_episodes(spec, hf_config)
     if spec.data.chat_template != "none" and prompts:
         from transformers import AutoTokenizer
 
@@ -74,6 +76,31 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
         encoder = PromptEncoder(tokenizer, spec.data.chat_template, spec.data.system_prompt)
         for record in prompts:  # every prompt renders (a template may refuse some conversations): ~0.1 ms each
             encoder.text(record)
+
+
+def check_episodes(spec: JobSpec, hf_config) -> None:
+    """The generate function and the environment factory import; an episode fits the model's context."""
+    from miles_rollout.env import environment_factory
+    from miles_rollout.generate import resolve_generate
+
+    rollout = spec.rollout
+    try:
+        resolve_generate(rollout.generate)
+    except ValueError as exc:
+        raise JobCheckError(str(exc) if str(exc).startswith("rollout.") else f"rollout.generate: {exc}") from None
+    if rollout.environment is not None:
+        try:
+            environment_factory(rollout.environment, rollout.environment_args)
+        except ValueError as exc:
+            raise JobCheckError(
+                str(exc) if str(exc).startswith("rollout.") else f"rollout.environment: {exc}"
+            ) from None
+    context = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
+    if rollout.generate == "multi_turn" and context is not None and rollout.multi_turn.max_total_tokens > context:
+        raise JobCheckError(
+            f"rollout.multi_turn.max_total_tokens: {rollout.multi_turn.max_total_tokens} is more than the model's "
+            f"context (config.json max_position_embeddings: {context})"
+        )
 
 
 def check_precision(spec: JobSpec, model_path: Path) -> None:

@@ -70,7 +70,7 @@ class Recorder:
                 [
                     dict(
                         prompt=s.prompt,
-                        response=s.response_text,
+                        response=_response(s),
                         label=s.label,
                         reward=float(s.reward),
                         status=getattr(s.status, "value", str(s.status)),
@@ -79,3 +79,14 @@ class Recorder:
                     for s in chosen
                 ],
             )
+
+
+def _response(sample: Any) -> str:
+    """The response as people read it: a multi-turn episode's whole transcript (a line per turn: `[role] text`,
+    then how it ended), else the response text."""
+    episode = sample.metadata.get("episode") if isinstance(getattr(sample, "metadata", None), dict) else None
+    if not isinstance(episode, dict):
+        return sample.response_text
+    lines = [f"[{m.get('role')}] {m.get('content')}" for m in episode.get("messages", [])]
+    ended = f"[end] {episode.get('end_reason')}" + (f": {episode['error']}" if episode.get("error") else "")
+    return "\n".join([*lines, ended])

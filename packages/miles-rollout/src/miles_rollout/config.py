@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -101,6 +101,39 @@ class EvalConfig(_Strict):
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy accuracy.")
 
 
+class MultiTurnConfig(_Strict):
+    """Limits of the built-in episode runner (`rollout.generate: multi_turn`)."""
+
+    max_turns: int = Field(4, gt=0, description="Model turns per episode.")
+    max_total_tokens: int = Field(
+        256, gt=1, description="Prompt and every turn of an episode: what the model's context must hold."
+    )
+    step_timeout_s: float = Field(30.0, gt=0, description="An environment step slower than this ends its episode.")
+    tool_format: Literal["none", "hermes", "xml"] = Field(
+        "none",
+        description="How the model writes a tool call: hermes (<tool_call>{json}</tool_call>, Qwen2.5), "
+        "xml (<call>text</call>), none (the environment reads the text).",
+    )
+
+
+class RemoteRewardConfig(_Strict):
+    """An HTTP reward service (`rollout.reward: remote`): POST `{"samples": [...]}`, answer `{"rewards": [...]}`."""
+
+    url: str = Field(description="The service's endpoint, http:// or https://.")
+    batch_size: int = Field(64, gt=0, description="Samples per request; the requests of a step run concurrently.")
+    max_concurrent_requests: int = Field(4, gt=0)
+    timeout_s: float = Field(60.0, gt=0, description="Per request.")
+    max_retries: int = Field(3, ge=0, description="Retries of a request that timed out, failed to connect or got 5xx.")
+    backoff_s: float = Field(0.5, ge=0, description="Wait before the first retry; doubles with each.")
+    headers: dict[str, str] = Field(default_factory=dict, description="Sent with every request (an API key).")
+
+    @model_validator(mode="after")
+    def _http(self) -> RemoteRewardConfig:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url: {self.url!r} is not an http:// or https:// URL")
+        return self
+
+
 class RolloutConfig(_Strict):
     """What the rollout side does each step."""
 
@@ -115,6 +148,27 @@ class RolloutConfig(_Strict):
         description="A registered reward name or a dotted path `package.module:function`.",
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    generate: str = Field(
+        "single_turn",
+        description="single_turn, multi_turn (episodes with rollout.environment), or a dotted path to an async "
+        "function (record, client, sampling, ctx) returning samples.",
+    )
+    environment: str | None = Field(
+        None, description="Dotted path to a factory (a class or function) making one environment per episode."
+    )
+    environment_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the environment factory."
+    )
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    remote_reward: RemoteRewardConfig | None = Field(None, description="The service of `reward: remote`.")
+
+    @model_validator(mode="after")
+    def _plugins_have_their_settings(self) -> RolloutConfig:
+        if self.generate == "multi_turn" and not self.environment:
+            raise ValueError("generate: multi_turn needs rollout.environment (a dotted path to a factory)")
+        if self.reward == "remote" and self.remote_reward is None:
+            raise ValueError("reward: remote needs rollout.remote_reward (at least its url)")
+        return self
 
 
 class DataConfig(_Strict):

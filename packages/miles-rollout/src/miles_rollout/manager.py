@@ -2,39 +2,51 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import replace
 
+from miles_rollout.client import EngineClient
 from miles_rollout.config import RolloutConfig, SamplingConfig
+from miles_rollout.episode import check_sample
+from miles_rollout.generate import BUILTIN, make_context, resolve_generate
 from miles_rollout.prompts import PromptEncoder
 from miles_rollout.protocol import RolloutEngine
-from miles_rollout.rewards import resolve_reward, score
+from miles_rollout.rewards import resolve_reward, score_all
 from miles_rollout.types import (
-    GenerateRequest,
     PromptRecord,
     RolloutBatch,
     Sample,
     SamplingParams,
     StageTiming,
-    status_of,
 )
 
 
 class RolloutManager:
-    """Draws `num_samples_per_prompt` responses per prompt from an engine and scores them.
+    """Draws `num_samples_per_prompt` samples per prompt through the generate function and scores them.
 
     The tokenizer is used only at the edges: prompts are encoded once (by `encoder`: plain text, or a chat
-    template), responses decoded for the reward function; the ids the engine produced are what the trainer
-    receives.
+    template), responses decoded for the reward function; the ids the engine produced (and, in episodes, the
+    environment's turns tokenized once) are what the trainer receives. `vocab_size`: the model's (config.json);
+    ids at or above it are refused before they reach the engine or the trainer (None: only negative ones).
     """
 
     def __init__(
-        self, engine: RolloutEngine, tokenizer, config: RolloutConfig, encoder: PromptEncoder | None = None
+        self,
+        engine: RolloutEngine,
+        tokenizer,
+        config: RolloutConfig,
+        encoder: PromptEncoder | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.encoder = encoder or PromptEncoder(tokenizer)
         self.config = config
-        self.reward_fn = resolve_reward(config.reward)
+        self.reward_fn = resolve_reward(config.reward, config.remote_reward)
+        self.generate_fn = resolve_generate(config.generate)
+        self.vocab_size = vocab_size
+        self.context = make_context(config, tokenizer, self.encoder)
         self._stop_token_ids = self._stop_ids(config.sampling.stop)
 
     def _stop_ids(self, stop: list[str]) -> tuple[int, ...]:
@@ -60,37 +72,20 @@ class RolloutManager:
     async def generate(
         self, prompts: list[PromptRecord], num_samples_per_prompt: int | None = None, temperature: float | None = None
     ) -> RolloutBatch:
+        """`num_samples_per_prompt` samples per prompt from the generate function (`rollout.generate`), all
+        concurrently through one `EngineClient` (calls made together reach the engine as one batch), then scored."""
         n = self.config.num_samples_per_prompt if num_samples_per_prompt is None else num_samples_per_prompt
         sampling = self.sampling_params(self.config.sampling, temperature)
-        prompt_ids = [self.encoder.encode(p) for p in prompts]
-        requests = [
-            GenerateRequest(ids, sampling, request_id=f"{g}-{k}") for g, ids in enumerate(prompt_ids) for k in range(n)
-        ]
+        client = EngineClient(self.engine, self.vocab_size)
         start = time.time()
-        results = await self.engine.generate(requests)
+        calls = [
+            self._sample(record, client, sampling, g, k) for g, record in enumerate(prompts) for k in range(n)
+        ]  # fmt: skip
+        samples = [s for group in await asyncio.gather(*calls) for s in group]
         generated = time.time()
-        samples = []
-        for request, result in zip(requests, results, strict=True):
-            group = int(request.request_id.split("-")[0])
-            record = prompts[group]
-            samples.append(
-                Sample(
-                    group_index=group,
-                    prompt=record.prompt,
-                    label=record.label,
-                    prompt_ids=request.input_ids,
-                    response_ids=result.output_ids,
-                    rollout_logprobs=result.output_logprobs,
-                    loss_mask=[1] * len(result.output_ids),
-                    response_text=self.tokenizer.decode(result.output_ids, skip_special_tokens=True),
-                    status=status_of(result.finish_reason),
-                    weight_versions=result.weight_versions,
-                    metadata=dict(record.metadata),
-                )
-            )
         num_tokens = sum(len(s.response_ids) for s in samples)
-        for sample in samples:
-            sample.reward = score(self.reward_fn, sample, self.config.reward)
+        for sample, reward in zip(samples, await score_all(self.reward_fn, samples, self.config.reward), strict=True):
+            sample.reward = reward
         scored = time.time()
         return RolloutBatch(
             samples,
@@ -101,11 +96,32 @@ class RolloutManager:
             sampling=sampling,
         )
 
+    async def _sample(
+        self, record: PromptRecord, client: EngineClient, sampling: SamplingParams, group: int, index: int
+    ) -> list[Sample]:
+        ctx = replace(self.context, group_index=group, sample_index=index)
+        out = await self.generate_fn(record, client, sampling, ctx)
+        where = f"rollout.generate {self.config.generate!r}"
+        samples = out if isinstance(out, list) else [out]
+        if not samples:
+            raise ValueError(f"{where} returned no sample for {record.prompt[:60]!r}")
+        for sample in samples:
+            if self.config.generate not in BUILTIN:  # the built-in ones lay samples out themselves (episode.py)
+                check_sample(sample, self.vocab_size, where)
+            sample.group_index = group  # the group is the manager's: samples of one record are compared together
+        return samples
+
     async def evaluate(self, prompts: list[PromptRecord], temperature: float = 0.0) -> dict[str, float]:
-        """One response per prompt; accuracy is the mean reward (exact match gives 0 or 1)."""
+        """One response (or episode) per prompt; accuracy is the mean reward (exact match gives 0 or 1). Episodes
+        add `eval/success` (the share with a positive reward) and `eval/num_turns`."""
         batch = await self.generate(prompts, num_samples_per_prompt=1, temperature=temperature)
         rewards = batch.rewards()
-        return {
+        out = {
             "eval/accuracy": sum(rewards) / len(rewards),
             "eval/response_length": batch.num_response_tokens / len(rewards),
         }
+        episodes = [s.metadata.get("episode") for s in batch.samples]
+        if episodes and all(isinstance(e, dict) for e in episodes):
+            out["eval/success"] = sum(r > 0 for r in rewards) / len(rewards)
+            out["eval/num_turns"] = sum(e["num_turns"] for e in episodes) / len(episodes)  # type: ignore[index]
+        return out

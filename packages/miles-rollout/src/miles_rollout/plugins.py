@@ -47,10 +47,11 @@ def resolve_dotted(path: str) -> Any:
     return obj
 
 
-def locate_function(path: str, positional: int = 1) -> str:
+def locate_function(path: str, positional: int | None = 1, classes: bool = False, coroutine: bool = False) -> str:
     """Check, without importing anything, that `path` names a function defined at the top of its module's source
-    (a `def`, not a class or a name imported from elsewhere) that can be called with `positional` arguments;
-    returns the source file. Raises ValueError naming what is wrong.
+    (a `def`, not a name imported from elsewhere; an `async def` where `coroutine`; a class too where `classes`)
+    that can be called with `positional` arguments (None, or a class: not checked); returns the source file.
+    Raises ValueError naming what is wrong.
 
     What a server uses to accept a plug-in it must not run: importing a module executes it, and may load
     heavy dependencies into the server (the job's driver imports it instead)."""
@@ -75,8 +76,14 @@ def locate_function(path: str, positional: int = 1) -> str:
     tree = ast.parse(open(spec.origin, encoding="utf-8").read(), spec.origin)
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == attr:
+            if classes:
+                return spec.origin
             raise ValueError(f"{path!r} is a class, not a function")
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == attr:
+            if coroutine and not isinstance(node, ast.AsyncFunctionDef):
+                raise ValueError(f"{path!r} is a plain function, not an async one (async def)")
+            if positional is None:
+                return spec.origin
             args = node.args
             params = [*args.posonlyargs, *args.args]
             required = len(params) - len(args.defaults)

@@ -44,8 +44,9 @@ class PromptEncoder:
             turns = [{"role": "system", "content": self.system_prompt}, *turns]
         return turns
 
-    def text(self, record: PromptRecord) -> str:
-        """The prompt exactly as the model reads it (the rendered template, ending where the answer starts)."""
+    def text(self, record: PromptRecord, tools: list[dict] | None = None) -> str:
+        """The prompt exactly as the model reads it (the rendered template, ending where the answer starts);
+        `tools`: tool schemas the template renders (an environment's)."""
         if self.template is None:
             if record.messages is not None:
                 raise PromptDataError(
@@ -53,14 +54,50 @@ class PromptEncoder:
                 )
             return record.prompt
         try:
-            return self.tokenizer.apply_chat_template(
-                self.messages(record), chat_template=self.template, tokenize=False, add_generation_prompt=True
-            )
+            return self._render(self.messages(record), tools, generation_prompt=True)
         except Exception as exc:  # jinja2 raises several types; the user needs the message
             raise PromptDataError(f"data.chat_template: rendering {record.prompt[:60]!r} failed: {exc}") from exc
 
-    def encode(self, record: PromptRecord) -> list[int]:
+    def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+        )
+
+    def encode(self, record: PromptRecord, tools: list[dict] | None = None) -> list[int]:
         if self.template is None:
             return self.tokenizer.encode(self.text(record))
         # The template writes the special tokens itself (a BOS, turn markers): none are added again.
-        return self.tokenizer.encode(self.text(record), add_special_tokens=False)
+        return self.tokenizer.encode(self.text(record, tools), add_special_tokens=False)
+
+    def turn_ids(self, messages: list[dict], tools: list[dict] | None = None, model_end: str = "") -> list[int]:
+        """The ids of environment turns (`messages`: tool results, user feedback) that follow a model turn, up to
+        where the model's next turn starts; tokenized once, here, and never again.
+
+        Without a template the messages' contents are encoded as they are. With one, they are what the template
+        writes after an assistant turn's content when the messages follow it (rendered after a placeholder
+        conversation, so what precedes them cannot change how they tokenize): the rest of the turn's closing, the
+        messages' turns and the opening of the next assistant turn. `model_end` is the text of the token the model
+        stopped on, which its turn already holds (`<|im_end|>` of a template that closes a turn with `<|im_end|>`
+        and a newline: the newline is added here; a closing the model did not write is added whole)."""
+        if self.template is None:
+            return self.tokenizer.encode("".join(str(m["content"]) for m in messages), add_special_tokens=False)
+        base = [{"role": "user", "content": _PLACEHOLDER}, {"role": "assistant", "content": _PLACEHOLDER}]
+        try:
+            after = self._render(base + messages, tools, generation_prompt=True)
+        except Exception as exc:
+            raise PromptDataError(
+                f"data.chat_template: rendering the environment turn {messages!r:.80} failed: {exc}"
+            ) from exc
+        if after.count(_PLACEHOLDER) != 2:
+            raise PromptDataError("data.chat_template: the template does not write each turn's content as it is")
+        # What follows the assistant's content when more turns follow it (a template may render the last turn
+        # differently, as Qwen3's adds an empty think block to it alone): its closing, the environment's turns, the
+        # next assistant turn's opening.
+        text = after[after.rindex(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+        if model_end and text.startswith(model_end):
+            text = text[len(model_end) :]
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+_PLACEHOLDER = "\u2063miles\u2063"  # invisible separators: text no template writes itself

@@ -41,6 +41,7 @@ class RolloutEngine(Protocol):
     """
 
     name: str
+    max_concurrent_calls: int | None  # generate() calls it serves at once (None: any); EngineClient batches to it
 
     @property
     def weight_version(self) -> int: ...

@@ -1,19 +1,37 @@
 """Reward functions: a registry of named ones, plus any function reachable by dotted path.
 
 A reward function takes a `Sample` (with `response_text` and `label` filled in) and returns a
-float.
+float, or is `async` and returns one when awaited (the samples of a step are then scored concurrently).
+A function marked `@batched` takes the step's list of samples and returns a list of floats, one each (a
+reward model, a remote verifier). An episode's transcript is in `sample.metadata["episode"]`.
+
+Built in: `exact_match`, `env` (an episode's environment rewards), `math_verify` (the answer is
+mathematically equal to the label: PyPI math-verify) and `remote` (an HTTP service, `rollout.remote_reward`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
+import inspect
+import logging
 import math
 import numbers
+import threading
 from collections.abc import Callable
+from typing import Any
 
 from miles_rollout.plugins import resolve_dotted
 from miles_rollout.types import Sample
 
-RewardFn = Callable[[Sample], float]
+RewardFn = Callable[[Sample], Any]
+
+
+def batched(fn: Callable) -> Callable:
+    """Mark a reward function that scores a whole step at once: `fn(samples) -> list[float]` (or async)."""
+    fn.batched = True  # type: ignore[attr-defined]
+    return fn
+
 
 _REGISTRY: dict[str, RewardFn] = {}
 
@@ -34,7 +52,11 @@ class RewardError(ValueError):
 
 def score(reward_fn: RewardFn, sample: Sample, name: str) -> float:
     """`reward_fn(sample)` as a float; a non-number (or NaN, inf) raises RewardError naming `name` and the value."""
-    value = reward_fn(sample)
+    return as_reward(reward_fn(sample), sample, name)
+
+
+def as_reward(value: Any, sample: Sample, name: str) -> float:
+    """`value` (a reward function's answer for `sample`) as a float, or RewardError naming `name` and the value."""
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array (a reward model's)
         value = value.item()
     if isinstance(value, numbers.Real) and math.isfinite(value):  # bool and NumPy scalars are numbers too
@@ -47,12 +69,38 @@ def score(reward_fn: RewardFn, sample: Sample, name: str) -> float:
     )
 
 
+async def score_all(reward_fn: RewardFn, samples: list[Sample], name: str) -> list[float]:
+    """Every sample's reward: one call of a `@batched` function, else one call per sample (awaited together
+    when the function is async)."""
+    if getattr(reward_fn, "batched", False):
+        values = reward_fn(samples)
+        if inspect.isawaitable(values):
+            values = await values
+        if not isinstance(values, list | tuple) or len(values) != len(samples):
+            size = len(values) if isinstance(values, list | tuple) else type(values).__name__
+            raise RewardError(f"reward {name!r} (batched) returned {size} rewards for {len(samples)} samples")
+        return [as_reward(v, s, name) for v, s in zip(values, samples, strict=True)]
+    if inspect.iscoroutinefunction(reward_fn):
+        values = await asyncio.gather(*[reward_fn(s) for s in samples])
+        return [as_reward(v, s, name) for v, s in zip(values, samples, strict=True)]
+    return [score(reward_fn, s, name) for s in samples]
+
+
 def registered_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted([*_REGISTRY, "remote"])
 
 
-def resolve_reward(name_or_path: str) -> RewardFn:
-    """A registered name, else a dotted path; the result must be callable."""
+def resolve_reward(name_or_path: str, remote: Any = None) -> RewardFn:
+    """A registered name, else a dotted path; the result must be callable. `remote`: `rollout.remote_reward`
+    (the `remote` reward's service)."""
+    if name_or_path == "remote":
+        if remote is None:
+            raise ValueError("reward 'remote' needs rollout.remote_reward (the service's url)")
+        from miles_rollout.remote_reward import RemoteReward
+
+        return RemoteReward(remote)
+    if name_or_path == "math_verify" and importlib.util.find_spec("math_verify") is None:
+        raise ValueError("reward 'math_verify' needs PyPI math-verify: pip install 'miles-rollout[math]'")
     if name_or_path in _REGISTRY:
         return _REGISTRY[name_or_path]
     if "." not in name_or_path and ":" not in name_or_path:
@@ -70,3 +118,29 @@ def resolve_reward(name_or_path: str) -> RewardFn:
 def exact_match(sample: Sample) -> float:
     """1.0 when the response, stripped of surrounding whitespace, equals the label exactly."""
     return float(sample.response_text.strip() == sample.label.strip())
+
+
+@register_reward("env")
+def env_reward(sample: Sample) -> float:
+    """The environment's rewards of a multi-turn episode, summed (`metadata["episode"]["env_reward"]`)."""
+    episode = sample.metadata.get("episode")
+    if not isinstance(episode, dict):
+        raise RewardError("reward 'env' scores episodes: set rollout.generate: multi_turn and rollout.environment")
+    return float(episode["env_reward"])
+
+
+@register_reward("math_verify")
+def math_verify(sample: Sample) -> float:
+    """1.0 when the response's answer is mathematically equal to the label (PyPI math-verify: LaTeX or plain
+    expressions, `\\boxed{}` preferred, `\\frac12` equals `0.5`), else 0.0. math-verify bounds its own time with
+    SIGALRM, which only the main thread may use: elsewhere (a rollout thread) it runs without its timeout."""
+    from math_verify import parse, verify
+
+    main = threading.current_thread() is threading.main_thread()
+    limit = 5 if main else None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call made without a timeout
+    gold = parse(sample.label, parsing_timeout=limit) or parse(f"${sample.label}$", parsing_timeout=limit)
+    if not gold:
+        raise RewardError(f"reward 'math_verify': the label {sample.label[:60]!r} does not parse as math")
+    answer = parse(sample.response_text, parsing_timeout=limit)
+    return float(bool(answer) and verify(gold, answer, timeout_seconds=limit))

@@ -1,7 +1,7 @@
 """What a job spec submitted over the API may ask for, beyond what the spec itself validates.
 
-A request body never brings code: rewards are registered names or functions of configured, installed
-modules. Paths are confined: prompt files under the data root, model folders under the model root, run
+A request body never brings code: rewards, generate functions and environments are built-in names or
+functions of configured, installed modules. Paths are confined: prompt files under the data root, model folders under the model root, run
 output under the server's runs folder. The store and the Ray cluster belong to the server."""
 
 from __future__ import annotations
@@ -128,7 +128,13 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
         if engine["log_dir"] is not None:
             engine["log_dir"] = confined(runs, engine["log_dir"], ("rollout", "engine", "log_dir"), "log folder")
     problems.extend(_check_limits(data, settings.limits))
-    problems.extend(_check_reward(spec.rollout.reward, settings))
+    problems.extend(_check_plugins(spec, settings))
+    if spec.rollout.remote_reward is not None:
+        problems.append(
+            _problem(
+                ("rollout", "remote_reward"), "a reward service URL is not accepted over the API (a host to contact)"
+            )
+        )
     demand = job_demand(spec)
     if demand > settings.cpus:
         problems.append(
@@ -188,24 +194,45 @@ def _check_gpus(spec: JobSpec, settings: ServerSettings) -> list[Problem]:
     return []
 
 
-def _check_reward(reward: str, settings: ServerSettings) -> list[Problem]:
-    from miles_rollout.rewards import registered_rewards
-
-    if reward in registered_rewards():
+def _check_plugin(
+    field: str,
+    path: str,
+    builtin: list[str],
+    settings: ServerSettings,
+    positional: int | None,
+    classes: bool = False,
+    coroutine: bool = False,
+) -> list[Problem]:
+    """`rollout.<field>`: a built-in name, or a top-level function (or class, where `classes`) of a module the
+    server's settings allow (`plugin_modules`), read without importing it."""
+    if path in builtin:
         return []
-    module, _, attr = reward.partition(":") if ":" in reward else reward.rpartition(".")
+    module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
 
     def allowed(name: str) -> bool:
         return any(name == m or name.startswith(m + ".") for m in settings.plugin_modules)
 
     if not allowed(module) or not attr.isidentifier():  # a function of the module itself, not a path through it
-        names = ", ".join(registered_rewards())
+        names = ", ".join(builtin) or "none"
         extra = f"; or a function of {', '.join(settings.plugin_modules)}" if settings.plugin_modules else ""
-        return [_problem(("rollout", "reward"), f"unknown reward {reward!r}: use one of {names}{extra}")]
+        return [_problem(("rollout", field), f"unknown {field} {path!r}: use one of {names}{extra}")]
     from miles_rollout.plugins import locate_function
 
     try:  # read, not imported: a module runs when imported, and the server must not run job code
-        locate_function(reward, positional=1)
+        locate_function(path, positional=positional, classes=classes, coroutine=coroutine)
     except (ValueError, OSError, SyntaxError) as exc:
-        return [_problem(("rollout", "reward"), str(exc))]
+        return [_problem(("rollout", field), str(exc))]
     return []
+
+
+def _check_plugins(spec: JobSpec, settings: ServerSettings) -> list[Problem]:
+    """The reward, the generate function and the environment factory."""
+    from miles_rollout.generate import BUILTIN
+    from miles_rollout.rewards import registered_rewards
+
+    rollout = spec.rollout
+    problems = _check_plugin("reward", rollout.reward, registered_rewards(), settings, positional=1)
+    problems += _check_plugin("generate", rollout.generate, sorted(BUILTIN), settings, positional=4, coroutine=True)
+    if rollout.environment is not None:  # called with environment_args as keywords: its arguments are not counted
+        problems += _check_plugin("environment", rollout.environment, [], settings, positional=None, classes=True)
+    return problems

@@ -191,7 +191,7 @@ class RolloutWorker:
         from outside this actor (colocated: the trainer ranks'); else they come from the GPUs Ray gave it."""
         import ray
         import torch
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from miles_control.config import JobSpec
         from miles_rollout import RolloutManager, build_engine
@@ -216,7 +216,9 @@ class RolloutWorker:
         self.engine = build_engine(engine_config, Path(model_path), seed=job.seed, packed=packed, gpu_ids=engine_gpus)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         encoder = PromptEncoder(tokenizer, job.data.chat_template, job.data.system_prompt)
-        self.manager = RolloutManager(self.engine, tokenizer, job.rollout, encoder)
+        hf_config = AutoConfig.from_pretrained(model_path)
+        vocab_size = getattr(hf_config, "vocab_size", None) or getattr(hf_config.get_text_config(), "vocab_size", None)
+        self.manager = RolloutManager(self.engine, tokenizer, job.rollout, encoder, vocab_size=vocab_size)
         self.stream = PromptStream(train_prompts, seed=job.seed)
         self.eval_prompts = eval_prompts[: job.rollout.eval.num_prompts]
         # fully_async's continuous generation (start_stream): the buffer, and what the thread hands to take()

@@ -49,6 +49,7 @@ class HFEngine:
     """In-process engine over a transformers causal LM loaded from an HF folder."""
 
     name = "hf"
+    max_concurrent_calls = 1  # one batch decodes at a time: calls that arrive meanwhile form the next batch
 
     def __init__(self, model_path: str | Path, config: HFEngineConfig, seed: int = 0) -> None:
         if config.num_threads is not None:

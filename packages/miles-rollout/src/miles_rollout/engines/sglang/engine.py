@@ -42,6 +42,7 @@ class SGLangEngine:
     """One or more SGLang servers behind one `RolloutEngine`."""
 
     name = "sglang"
+    max_concurrent_calls = None  # the servers take concurrent calls (the router balances them)
 
     def __init__(
         self,

@@ -1,0 +1,74 @@
+"""EngineClient: token-in/token-out generation for rollout code, one request at a time, batched underneath.
+
+Generate functions and the episode runner call `await client.generate(ids, sampling)` per turn, each episode on
+its own; the client gathers the calls made in the same turn of the event loop (every episode whose environment
+has answered) into one `engine.generate` batch. An engine that decodes one batch at a time (`hf`:
+`max_concurrent_calls = 1`) gets the calls that arrive while it decodes as the next batch; an engine that serves
+concurrent calls (SGLang) gets each batch at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from miles_rollout.episode import check_ids
+from miles_rollout.protocol import RolloutEngine
+from miles_rollout.types import GenerateRequest, GenerateResult, SamplingParams
+
+
+class EngineClient:
+    """The engine as rollout code sees it. `vocab_size`: ids at or above it are refused before they reach it."""
+
+    def __init__(self, engine: RolloutEngine, vocab_size: int | None = None) -> None:
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.num_calls = 0  # engine.generate calls made (batches), for tests and metrics
+        limit = getattr(engine, "max_concurrent_calls", None)  # an engine without it: any number
+        self._slots = asyncio.Semaphore(limit) if limit else None
+        self._pending: list[tuple[GenerateRequest, asyncio.Future]] = []
+        self._collector: asyncio.Task | None = None  # the task that will take `_pending` as its batch
+        self._tasks: set[asyncio.Task] = set()
+        self._count = 0
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str = "") -> GenerateResult:
+        """The engine's result for `input_ids` (its output ids, their logprobs, the finish reason, the weight
+        versions it ran). ValueError, naming the offending id, for ids outside the vocabulary."""
+        where = f"generate: request {request_id or self._count + 1}: input_ids"
+        check_ids(input_ids, self.vocab_size, where)
+        if not input_ids:
+            raise ValueError(f"{where} is empty")
+        self._count += 1
+        request = GenerateRequest(list(input_ids), sampling, request_id=request_id or f"c{self._count}")
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._collector is None:
+            self._collector = asyncio.ensure_future(self._call())
+            self._tasks.add(self._collector)
+            self._collector.add_done_callback(self._tasks.discard)
+        return await future
+
+    async def _call(self) -> None:
+        batch: list[tuple[GenerateRequest, asyncio.Future]] = []
+        if self._slots is not None:
+            await self._slots.acquire()
+        try:
+            await asyncio.sleep(0)  # let the other coroutines that are ready submit their turn
+            batch, self._pending, self._collector = self._pending, [], None
+            results = await self.engine.generate([request for request, _ in batch])
+            self.num_calls += 1
+            if len(results) != len(batch):
+                raise RuntimeError(f"{self.engine.name} engine: {len(results)} results for {len(batch)} requests")
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+        except BaseException as exc:  # every caller of the batch gets the engine's error; none waits forever
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if self._collector is asyncio.current_task():  # cancelled before it took its batch
+                self._collector = None
+            if self._slots is not None:
+                self._slots.release()

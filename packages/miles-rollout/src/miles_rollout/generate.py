@@ -1,0 +1,226 @@
+"""Generate functions: how one prompt record becomes samples. `rollout.generate` picks one.
+
+- `single_turn` (the default): the prompt's ids in, one completion out, every token trained on.
+- `multi_turn`: an episode with the environment of `rollout.environment` (`miles_rollout.env`): model turn,
+  environment turn, ... until the environment is done or a limit of `rollout.multi_turn` is reached.
+- a dotted path `package.module:function` to your own: `async def fn(record, client, sampling, ctx)` returning a
+  `Sample` or a list of them. `client.generate(ids, sampling)` is the engine, token-in/token-out; `ctx` is a
+  `GenerateContext` (the tokenizer, the prompt encoder, the configuration, a new environment per call of
+  `ctx.new_environment()`). `miles_rollout.episode.Episode` builds a token-faithful multi-turn sample.
+
+The manager calls the function once per sample (`num_samples_per_prompt` times per record, all concurrently)
+and checks what it returns (`episode.check_sample`): errors name the function's dotted path and the value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from miles_rollout.client import EngineClient
+from miles_rollout.config import RolloutConfig
+from miles_rollout.env import Action, StepResult, environment_factory, parse_tool_call
+from miles_rollout.episode import Episode
+from miles_rollout.plugins import resolve_dotted
+from miles_rollout.prompts import PromptEncoder
+from miles_rollout.types import FinishReason, PromptRecord, Sample, SamplingParams, status_of
+
+GenerateFn = Callable[[PromptRecord, EngineClient, SamplingParams, "GenerateContext"], Awaitable[Any]]
+
+
+@dataclass
+class GenerateContext:
+    """What a generate function may use besides the engine."""
+
+    tokenizer: Any
+    encoder: PromptEncoder
+    config: RolloutConfig
+    group_index: int = 0
+    sample_index: int = 0
+    make_environment: Callable[[], Any] | None = None
+
+    def new_environment(self) -> Any:
+        """A fresh environment from `rollout.environment` (ValueError when none is configured)."""
+        if self.make_environment is None:
+            raise ValueError("rollout.environment is not set: this generate function needs an environment")
+        return self.make_environment()
+
+
+async def single_turn(record: PromptRecord, client: EngineClient, sampling: SamplingParams, ctx: GenerateContext):
+    """One completion of the prompt; the built-in default."""
+    prompt_ids = ctx.encoder.encode(record)
+    result = await client.generate(prompt_ids, sampling, request_id=f"{ctx.group_index}-{ctx.sample_index}")
+    return Sample(
+        group_index=ctx.group_index,
+        prompt=record.prompt,
+        label=record.label,
+        prompt_ids=prompt_ids,
+        response_ids=result.output_ids,
+        rollout_logprobs=result.output_logprobs,
+        loss_mask=[1] * len(result.output_ids),
+        response_text=ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True),
+        status=status_of(result.finish_reason),
+        weight_versions=result.weight_versions,
+        metadata=dict(record.metadata),
+    )
+
+
+async def _call(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)`, awaited when it is a coroutine function. A plain function runs in a daemon thread of its own
+    (not the event loop's executor): a slow one does not stop the other episodes, step_timeout_s still ends its
+    episode, and one that never returns holds neither the executor's threads (the hf engine decodes there) nor
+    the end of the rollout (`asyncio.run` waits for the executor, not for this thread)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as exc:  # handed to the episode, which records it
+            value, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop has closed: the episode ended long ago
+            pass
+
+    threading.Thread(target=run, daemon=True, name="miles-env-step").start()
+    result = await future
+    return await result if inspect.isawaitable(result) else result
+
+
+def _as_messages(observation: Any, role: str) -> list[dict[str, Any]] | None:
+    """An observation as messages, or None when it is neither a text nor a list of {role, content} texts."""
+    if isinstance(observation, str):
+        return [{"role": role, "content": observation}]
+    if isinstance(observation, list) and observation:
+        ok = all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                 for m in observation)  # fmt: skip
+        return [dict(m) for m in observation] if ok else None
+    return None
+
+
+async def multi_turn(record: PromptRecord, client: EngineClient, sampling: SamplingParams, ctx: GenerateContext):
+    """An episode with a new environment: model and environment take turns until the environment is done, or
+    `rollout.multi_turn` limits it (max_turns, max_total_tokens: the prompt and every turn). A failing
+    environment (it raises, times out, answers with something that is not text) ends only its episode, with the
+    reason in `metadata["episode"]`; the step goes on."""
+    limits = ctx.config.multi_turn
+    env = ctx.new_environment()
+    path = ctx.config.environment
+    tools = getattr(env, "tools", None) or None
+    version = client.engine.weight_version  # of an episode that ends before its first model turn (aborted)
+    try:
+        first = await asyncio.wait_for(_call(env.reset, record), limits.step_timeout_s)
+    except asyncio.TimeoutError:
+        return _no_turn(ctx, record, tools, version, "env_timeout", "reset() ran past step_timeout_s")
+    except Exception as exc:  # the environment could not start: this episode only
+        return _no_turn(ctx, record, tools, version, "env_error", f"reset(): {type(exc).__name__}: {exc}"[:500])
+    if isinstance(first, str):
+        record = replace(record, prompt=first, messages=None)
+    elif first is not None:
+        messages = _as_messages(first, "user")
+        if messages is None:
+            raise TypeError(f"{path}: reset() returned {first!r:.120}: expected None, a text or a list of messages")
+        record = replace(record, prompt=messages[-1]["content"], messages=messages)
+    episode = Episode(ctx.encoder.encode(record, tools))
+    if episode.num_tokens >= limits.max_total_tokens:
+        error = (
+            f"the prompt is {episode.num_tokens} tokens, rollout.multi_turn.max_total_tokens {limits.max_total_tokens}"
+        )
+        episode.end("max_tokens", error)
+        return episode.to_sample(record, ctx.group_index, version)
+    request_id = f"{ctx.group_index}-{ctx.sample_index}"
+    for turn in range(limits.max_turns):
+        room = limits.max_total_tokens - episode.num_tokens
+        if room <= 0:
+            episode.end("max_tokens")
+            break
+        turn_sampling = sampling if sampling.max_new_tokens <= room else replace(sampling, max_new_tokens=room)
+        result = await client.generate(episode.ids(), turn_sampling, request_id=f"{request_id}-t{turn}")
+        text = ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        episode.add_model(result.output_ids, result.output_logprobs, result.weight_versions, text)
+        if result.finish_reason == FinishReason.ABORT:
+            episode.end("abort")
+            break
+        if result.finish_reason == FinishReason.LENGTH:
+            episode.end("max_tokens" if turn_sampling is not sampling else "length")
+            break
+        action = Action(text, parse_tool_call(text, limits.tool_format))
+        try:
+            step = await asyncio.wait_for(_call(env.step, action), limits.step_timeout_s)
+        except asyncio.TimeoutError:
+            episode.end("env_timeout", f"step() ran past rollout.multi_turn.step_timeout_s ({limits.step_timeout_s} s)")
+            break
+        except Exception as exc:  # the environment's (or its tool's) failure ends this episode only
+            episode.end("env_error", f"{type(exc).__name__}: {exc}"[:500])
+            break
+        if not isinstance(step, StepResult):
+            raise TypeError(f"{path}: step() returned {step!r:.120}: expected a miles_rollout.env.StepResult")
+        episode.rewards.append(float(step.reward))
+        if step.done and not step.observation:
+            episode.end("done")
+            break
+        messages = _as_messages(step.observation, "tool" if action.tool_call else "user")
+        if messages is None:
+            episode.end("bad_observation", f"step() observation {step.observation!r:.200}")
+            break
+        if step.done:
+            episode.messages.extend(messages)  # the last word is the environment's: in the transcript, not trained
+            episode.end("done")
+            break
+        if turn == limits.max_turns - 1:
+            episode.end("max_turns")
+            break
+        model_end = ctx.tokenizer.decode(result.output_ids[-1:]) if result.output_ids else ""
+        ids = ctx.encoder.turn_ids(messages, tools, model_end)
+        episode.add_env(ids, messages)
+        if episode.num_tokens >= limits.max_total_tokens:
+            episode.segments.pop()  # no room for the model to answer: the observation is not trained on either
+            episode.end("max_tokens")
+            break
+    else:  # max_turns == 0 cannot happen (validated); keeps the loop's contract explicit
+        episode.end("max_turns")
+    return episode.to_sample(record, ctx.group_index)
+
+
+def _no_turn(ctx: GenerateContext, record: PromptRecord, tools: Any, version: int, reason: str, error: str) -> Sample:
+    episode = Episode(ctx.encoder.encode(record, tools))
+    episode.end(reason, error)
+    return episode.to_sample(record, ctx.group_index, version)
+
+
+BUILTIN: dict[str, GenerateFn] = {"single_turn": single_turn, "multi_turn": multi_turn}
+
+
+def resolve_generate(name_or_path: str) -> GenerateFn:
+    """A built-in name or a dotted path to an `async def` taking (record, client, sampling, ctx)."""
+    if name_or_path in BUILTIN:
+        return BUILTIN[name_or_path]
+    if "." not in name_or_path and ":" not in name_or_path:
+        raise ValueError(
+            f"rollout.generate: unknown {name_or_path!r}: built-in are {sorted(BUILTIN)}, "
+            "or give a dotted path 'package.module:function'"
+        )
+    fn = resolve_dotted(name_or_path)
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(
+            f"rollout.generate: {name_or_path!r} is a {type(fn).__name__}, not an async function "
+            "(async def fn(record, client, sampling, ctx))"
+        )
+    return fn
+
+
+def make_context(config: RolloutConfig, tokenizer: Any, encoder: PromptEncoder) -> GenerateContext:
+    """The context shared by a manager's calls (each call gets a copy with its indices)."""
+    make_env = environment_factory(config.environment, config.environment_args) if config.environment else None
+    return GenerateContext(tokenizer, encoder, config, make_environment=make_env)
