@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from miles_rollout import HFEngineConfig, PromptRecord, RolloutConfig, RolloutManager, build_engine
 from miles_rollout.client import EngineClient
@@ -57,27 +57,12 @@ class Counter:
 
 
 @pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory):
+def chat_model_dir(tmp_path_factory, tiny_qwen2):
     """A random tiny Qwen2 whose char tokenizer has turn tokens and a chat template."""
-    folder = tmp_path_factory.mktemp("tiny-chat")
     tokenizer = build_char_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": TURN_TOKENS})
     tokenizer.chat_template = TEMPLATE
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_qwen2(tmp_path_factory.mktemp("tiny-chat"), tokenizer, max_positions=512)
 
 
 @pytest.fixture(scope="module")
