@@ -82,3 +82,95 @@ def test_smollm2_on_megatron_tp2_is_refused_naming_the_field():
         JobCheckError, match=r"tensor_parallel_size 2 must divide config.json num_key_value_heads \(3\)"
     ):
         check_job(spec, model_dir)
+
+
+@pytest.mark.sglang
+def test_smollm2_multi_turn_episodes_with_its_chat_template(tmp_path):
+    """examples/capitals/smollm2-capitals-retry.yaml through `miles run`, two steps: episodes of up to two model
+    turns, the environment's turn rendered with SmolLM2's chat template, on bf16 SGLang engines; the trainer's
+    logprobs of the model's tokens stay within the bf16 bound of the single-turn rows above."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed")
+    from miles_control.store import Store
+
+    root = Path(__file__).resolve().parents[1]
+    url = f"sqlite:///{tmp_path}/miles.db"
+    args = [sys.executable, "-m", "miles_control.cli", "run", "examples/capitals/smollm2-capitals-retry.yaml", "--quiet",
+            "--set", f"store.url={url}", "--set", f"output_dir={tmp_path}/runs", "--set", "schedule.num_steps=2",
+            "--set", "rollout.eval.every_steps=0", "--set", "rollout.eval.num_prompts=8"]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, timeout=1200, cwd=root)
+    assert result.returncode == 0, result.stderr[-4000:]
+    store = Store(url)
+    job = store.job(1)
+    assert job.status == "succeeded", job.error
+    assert [s.weight_version for s in store.steps(1)] == [1, 2]
+    diffs = dict(store.metric_series(1, "train/logprob_diff"))
+    turns = dict(store.metric_series(1, "rollout/num_turns"))
+    print(f"SmolLM2 multi-turn: mean |Δ logprob| {diffs}, turns {turns}")
+    assert len(diffs) == 2 and all(0.0 < d <= SMOLLM2_BF16_BOUND for d in diffs.values()), diffs
+    assert all(1.0 <= t <= 2.0 for t in turns.values()) and max(turns.values()) > 1.0, turns
+    assert all(0.0 < f < 1.0 for f in dict(store.metric_series(1, "rollout/env_token_frac")).values())
+    retried = [s for s in store.samples(1) if "\n[user] " in s.response]
+    assert retried, [s.response for s in store.samples(1)][:4]
+    for sample in retried:  # the transcript: the model's turn, the environment's, the model's again (to its end)
+        assert sample.response.count("[assistant]") == 2, sample.response
+        assert sample.response.rsplit("\n", 1)[1] in ("[end] done", "[end] length"), sample.response
+        assert "Only the city's name" in sample.response or "That is not it" in sample.response
+
+
+def test_smollm2_episode_ids_are_its_chat_template_rendering(monkeypatch):
+    """Episodes of the capitals retry environment on the hf engine (SmolLM2 in bf16, in process): the trainer's
+    input ids, decoded, are exactly what SmolLM2's chat template writes for the whole conversation (the model's
+    turns as generated, the environment's turn tokenized once with the template); only a turn cut by
+    max_new_tokens lacks the closing `<|im_end|>` the template would add. The loss mask is zero exactly on the
+    environment's tokens."""
+    import asyncio
+    import json
+
+    from transformers import AutoTokenizer
+
+    from miles_control.assets import build_packaged_model
+    from miles_control.config import PackagedModelConfig
+    from miles_control.convert import to_train_batch
+    from miles_rollout import HFEngineConfig, PromptRecord, RolloutConfig, RolloutManager, build_engine
+    from miles_rollout.config import MultiTurnConfig, SamplingConfig
+    from miles_rollout.prompts import PromptEncoder
+
+    capitals = Path(__file__).resolve().parents[1] / "examples" / "capitals"
+    monkeypatch.syspath_prepend(str(capitals))
+    model_dir = build_packaged_model(PackagedModelConfig(source="package"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = RolloutConfig(
+        num_samples_per_prompt=2,
+        sampling=SamplingConfig(temperature=0.7, max_new_tokens=12),
+        generate="multi_turn",
+        environment="capitals_env:Retry",
+        reward="env",
+        multi_turn=MultiTurnConfig(max_turns=2, max_total_tokens=160),
+    )
+    records = [PromptRecord(**json.loads(line)) for line in (capitals / "capitals.jsonl").read_text().splitlines()[:6]]
+    engine = build_engine(HFEngineConfig(), model_dir, seed=1)
+    try:
+        manager = RolloutManager(engine, tokenizer, config, PromptEncoder(tokenizer, "model"), len(tokenizer))
+        batch = asyncio.run(manager.generate(records))
+    finally:
+        engine.shutdown()
+    train = to_train_batch(batch)
+    retried = 0
+    for sample, ids, start, mask in zip(batch.samples, train.input_ids, train.response_start, train.loss_mask,
+                                        strict=True):  # fmt: skip
+        messages = sample.metadata["episode"]["messages"]
+        retried += sum(m["role"] == "assistant" for m in messages) == 2
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": sample.prompt}, *messages], tokenize=False
+        )
+        text = tokenizer.decode(ids)
+        if sample.metadata["episode"]["end_reason"] == "length":
+            assert rendered == text + "<|im_end|>\n", (rendered, text)
+        else:
+            assert rendered == text + "\n", (rendered, text)  # the model stopped on <|im_end|>: its own token
+        env = [m for m in messages if m["role"] != "assistant"]  # Retry's last word is never an observation
+        env_text = tokenizer.decode([i for i, m in zip(ids[start:], mask, strict=True) if m == 0])
+        expected = "".join(f"\n<|im_start|>user\n{m['content']}<|im_end|>\n<|im_start|>assistant\n" for m in env)
+        assert env_text == expected, (env_text, expected)
+    assert retried, [s.metadata["episode"]["messages"] for s in batch.samples]
