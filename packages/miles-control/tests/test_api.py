@@ -52,6 +52,12 @@ def test_create_list_get_and_pagination(api):
     assert job["name"] == "alpha" and job["attempts"] == [] and job["resumable"] is False
     r = api.get("/api/v1/jobs/999")
     assert r.status_code == 404 and r.json()["detail"] == "no job 999"
+    # a reward service's key written into a spec run by `miles run` is stored (a resume needs it), not shown
+    remote = {"url": "http://rm:8000/score", "headers": {"X-Key": "s3cret", "Authorization": "${RM_TOKEN}"}}
+    job_id = api.store.create_job("keyed", {"name": "keyed", "rollout": {"reward": "remote", "remote_reward": remote}})
+    shown = api.get(f"/api/v1/jobs/{job_id}").json()["spec"]["rollout"]["remote_reward"]
+    assert shown["headers"] == {"X-Key": "<redacted>", "Authorization": "${RM_TOKEN}"} and "s3cret" not in str(shown)
+    assert api.store.job(job_id).spec["rollout"]["remote_reward"]["headers"]["X-Key"] == "s3cret"
 
 
 def field_errors(response) -> dict[str, str]:

@@ -146,6 +146,12 @@ def test_episodes_are_checked_before_the_job_starts(llama32_bf16, monkeypatch):
     monkeypatch.setitem(sys.modules, "preflight_envs", module)
     episodes = {"generate": "multi_turn", "environment": "preflight_envs:Env"}
     check_job(spec(rollout={"engine": {"type": "hf"}, **episodes}), llama32_bf16)
+    feedback = {"generate": "multi_turn", "environment": "miles_rollout.tasks.feedback:ArithmeticFeedback"}
+    with pytest.raises(JobCheckError, match=r"rollout.environment_args: .*ArithmeticFeedback\(\{'tries': 0\}\) failed: "
+                       r"ValueError: tries: 0 \(at least 1\)"):  # fmt: skip
+        check_job(spec(rollout={"engine": {"type": "hf"}, **feedback, "environment_args": {"tries": 0}}), llama32_bf16)
+    with pytest.raises(JobCheckError, match=r"rollout.environment: calling .*ArithmeticFeedback.* with \['tris'\]"):
+        check_job(spec(rollout={"engine": {"type": "hf"}, **feedback, "environment_args": {"tris": 2}}), llama32_bf16)
     context = json.loads((llama32_bf16 / "config.json").read_text())["max_position_embeddings"]
     too_long = {**episodes, "multi_turn": {"max_total_tokens": context + 1}}
     with pytest.raises(JobCheckError, match=rf"max_total_tokens: {context + 1} is more than the model's context"):

@@ -233,8 +233,57 @@ def test_failing_environment_ends_its_episode_only(parts, monkeypatch, fail, rea
             continue
         assert episode["end_reason"] == reason and error in episode["error"], episode
         assert episode["num_turns"] == 2 and sample.loss_mask.count(0) == 3  # "+1=" is not trained on
-        assert sample.status == SampleStatus.COMPLETED
+        assert sample.status == SampleStatus.COMPLETED  # env_failures: train (the default)
     assert any(s.metadata["episode"]["end_reason"] == reason for s in batch.samples)
+    if fail == "raise":  # env_failures: drop leaves such episodes out of training, as aborted
+        config.multi_turn.env_failures = "drop"
+        batch = asyncio.run(
+            RolloutManager(engine, tokenizer, config, vocab_size=17).generate([PromptRecord("1+2=", "3")])
+        )
+        for sample in batch.samples:
+            failed = sample.metadata["episode"]["end_reason"] == reason
+            assert (sample.status == SampleStatus.ABORTED) == failed, sample.metadata["episode"]
+        assert any(s.status == SampleStatus.ABORTED for s in batch.samples)
+
+
+class ThreadBound:
+    """An environment holding what belongs to one thread (a sqlite connection, made in its constructor)."""
+
+    def __init__(self) -> None:
+        import sqlite3
+
+        self.db = sqlite3.connect(":memory:")
+        self.db.execute("create table turns (text)")
+
+    def reset(self, record):
+        self.db.execute("insert into turns values ('reset')")
+        return None
+
+    def step(self, action):
+        self.db.execute("insert into turns values (?)", (action.text,))
+        (count,) = self.db.execute("select count(*) from turns").fetchone()
+        return StepResult(observation=None if count >= 3 else "+1=", reward=float(count), done=count >= 3)
+
+
+def test_an_environment_runs_on_one_thread_per_episode(parts, monkeypatch):
+    """Construction, reset and every step of an episode's (plain) environment run on the same thread: sqlite
+    refuses a connection used from another thread, so this fails if any call moves."""
+    engine, tokenizer = parts
+    plugin_module(monkeypatch, "user_envs", ThreadBound=ThreadBound)
+    manager = RolloutManager(engine, tokenizer, episodes_config("user_envs:ThreadBound"), vocab_size=17)
+    batch = asyncio.run(manager.generate([PromptRecord("1+2=", "3"), PromptRecord("4+5=", "9")]))
+    ends = [s.metadata["episode"] for s in batch.samples]
+    assert all(e["end_reason"] in ("done", "length") for e in ends), ends
+    assert any(e["end_reason"] == "done" and e["env_rewards"] == [2.0, 3.0] for e in ends), ends
+
+
+def test_a_step_reward_that_is_not_a_number_names_the_environment(parts, monkeypatch):
+    engine, tokenizer = parts
+    bad = type("NoReward", (), {"reset": lambda self, r: None, "step": lambda self, a: StepResult(reward=None)})
+    plugin_module(monkeypatch, "user_envs", NoReward=bad)
+    manager = RolloutManager(engine, tokenizer, episodes_config("user_envs:NoReward"), vocab_size=17)
+    with pytest.raises(TypeError, match=r"user_envs:NoReward: step\(\) returned reward=None: expected a number"):
+        asyncio.run(manager.generate([PromptRecord("1+2=", "3")]))
 
 
 def test_template_turns_append_what_the_template_renders(chat_model_dir):
@@ -352,6 +401,9 @@ def test_max_total_tokens_ends_the_episode(parts, monkeypatch):
         assert len(sample.prompt_ids) + len(sample.response_ids) <= 9
         assert sample.metadata["episode"]["end_reason"] in ("max_tokens", "length")
         assert sample.loss_mask[-1] == 1  # never ends on an environment turn no model turn answers
+        assert sample.metadata["episode"]["messages"][-1]["role"] == "assistant"  # nor does the transcript
+        episode = sample.metadata["episode"]  # a turn cut by the limit is still shown to the environment (scored)
+        assert len(episode["env_rewards"]) == episode["num_turns"], episode
 
 
 class Stalls:

@@ -56,6 +56,12 @@ def test_async_and_batched_reward_functions():
     loop_start = asyncio.run(_timed(score_all(slow, samples * 5, "s")))
     assert loop_start < 1.5  # ten 0.2 s calls awaited together
 
+    class Scorer:  # an object with an async __call__ (a reward model's client) is awaited as well
+        async def __call__(self, s):
+            return float(len(s.response_text))
+
+    assert asyncio.run(score_all(Scorer(), samples, "scorer")) == [2.0, 3.0]
+
     @batched
     def short(samples):
         return [1.0]
@@ -75,7 +81,8 @@ class RewardService:
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
-        self.fail_first = 0  # answer 503 to this many requests first
+        self.fail_first = 0  # answer fail_status to this many requests first
+        self.fail_status = 503
         self.mode = "ok"
         service = self
 
@@ -85,7 +92,7 @@ class RewardService:
                 service.bodies.append({"body": body, "key": self.headers.get("X-Key")})
                 if service.fail_first > 0:
                     service.fail_first -= 1
-                    return self._send(503, b"busy")
+                    return self._send(service.fail_status, b"busy")
                 if service.mode == "hang":
                     threading.Event().wait(2)
                 if service.mode == "bad":
@@ -99,6 +106,8 @@ class RewardService:
 
             def _send(self, code, payload):
                 self.send_response(code)
+                if code == 429:
+                    self.send_header("Retry-After", "0.3")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
@@ -123,7 +132,7 @@ def remote(url: str, **fields) -> object:
     return resolve_reward("remote", config)
 
 
-def test_remote_reward_batches_and_retries(service):
+def test_remote_reward_batches_and_retries(service, monkeypatch):
     fn = remote(service.url, headers={"X-Key": "k1"})
     samples = [sample("a" * i, "x", episode={"num_turns": i}) for i in range(7)]
     assert asyncio.run(score_all(fn, samples, "remote")) == [float(i) for i in range(7)]
@@ -134,6 +143,18 @@ def test_remote_reward_batches_and_retries(service):
     service.bodies.clear()
     service.fail_first = 2  # two 503s, then answers: retried
     assert asyncio.run(score_all(fn, samples[:2], "remote")) == [0.0, 1.0] and len(service.bodies) == 3
+    service.bodies.clear()
+    keyed = remote(service.url, headers={"X-Key": "${MILES_TEST_REWARD_KEY}"})  # read from the environment
+    with pytest.raises(
+        RuntimeError, match=r"headers.X-Key: \$\{MILES_TEST_REWARD_KEY\} names the environment variable"
+    ):
+        asyncio.run(score_all(keyed, samples[:1], "remote"))
+    monkeypatch.setenv("MILES_TEST_REWARD_KEY", "k2")
+    assert asyncio.run(score_all(keyed, samples[:1], "remote")) == [0.0] and service.bodies[-1]["key"] == "k2"
+    service.bodies.clear()
+    service.fail_first, service.fail_status = 1, 429  # too many requests: retried after its Retry-After (0.3 s)
+    took = asyncio.run(_timed(score_all(fn, samples[:2], "remote")))
+    assert len(service.bodies) == 2 and took >= 0.3
 
 
 @pytest.mark.parametrize(
@@ -144,14 +165,15 @@ def test_remote_reward_batches_and_retries(service):
         ("garbage", {}, r"expected \{\"rewards\": \[...\]\}, got '<html>'"),
         ("short", {}, "2 rewards for 3 samples"),
         ("503", {"max_retries": 2}, r"HTTP 503: busy \(after 3 attempts"),
+        ("501", {"max_retries": 2}, r"HTTP 501: busy$"),  # not implemented: no retry changes that
     ],
 )
 def test_remote_reward_errors_name_the_service(service, mode, fields, match):
     from miles_rollout.remote_reward import RemoteRewardError
 
     service.mode = mode
-    if mode == "503":
-        service.fail_first = 100
+    if mode in ("503", "501"):
+        service.fail_first, service.fail_status = 100, int(mode)
     fn = remote(service.url, **fields)
     with pytest.raises(RemoteRewardError, match=match) as info:
         asyncio.run(score_all(fn, [sample("a", "x")] * 3, "remote"))

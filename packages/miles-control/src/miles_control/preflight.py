@@ -79,7 +79,8 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
 
 
 def check_episodes(spec: JobSpec, hf_config) -> None:
-    """The generate function and the environment factory import; an episode fits the model's context."""
+    """The generate function and the environment factory import, one environment can be made with
+    `rollout.environment_args`; an episode fits the model's context."""
     from miles_rollout.env import environment_factory
     from miles_rollout.generate import resolve_generate
 
@@ -90,10 +91,17 @@ def check_episodes(spec: JobSpec, hf_config) -> None:
         raise JobCheckError(str(exc) if str(exc).startswith("rollout.") else f"rollout.generate: {exc}") from None
     if rollout.environment is not None:
         try:
-            environment_factory(rollout.environment, rollout.environment_args)
+            make = environment_factory(rollout.environment, rollout.environment_args)
         except ValueError as exc:
             raise JobCheckError(
                 str(exc) if str(exc).startswith("rollout.") else f"rollout.environment: {exc}"
+            ) from None
+        try:  # one environment, made here as every episode makes its own: arguments it refuses fail now
+            make()
+        except Exception as exc:
+            message = str(exc) if str(exc).startswith("rollout.") else f"{type(exc).__name__}: {exc}"
+            raise JobCheckError(
+                f"rollout.environment_args: {rollout.environment}({rollout.environment_args}) failed: {message}"
             ) from None
     context = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     if rollout.generate == "multi_turn" and context is not None and rollout.multi_turn.max_total_tokens > context:

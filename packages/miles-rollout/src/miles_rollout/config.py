@@ -114,6 +114,12 @@ class MultiTurnConfig(_Strict):
         description="How the model writes a tool call: hermes (<tool_call>{json}</tool_call>, Qwen2.5), "
         "xml (<call>text</call>), none (the environment reads the text).",
     )
+    env_failures: Literal["train", "drop"] = Field(
+        "train",
+        description="An episode ended by its environment failing (env_error, env_timeout, bad_observation): train "
+        "on it with the rewards it had (a tool the model called wrongly teaches it not to), or drop it from "
+        "training as aborted (an outage of the environment is not the policy's doing).",
+    )
 
 
 class RemoteRewardConfig(_Strict):
@@ -125,7 +131,11 @@ class RemoteRewardConfig(_Strict):
     timeout_s: float = Field(60.0, gt=0, description="Per request.")
     max_retries: int = Field(3, ge=0, description="Retries of a request that timed out, failed to connect or got 5xx.")
     backoff_s: float = Field(0.5, ge=0, description="Wait before the first retry; doubles with each.")
-    headers: dict[str, str] = Field(default_factory=dict, description="Sent with every request (an API key).")
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Sent with every request. A value `${NAME}` is read from the environment variable NAME where the "
+        "rollout runs (an API key: the spec is stored and shown as written; the API shows literal values redacted).",
+    )
 
     @model_validator(mode="after")
     def _http(self) -> RemoteRewardConfig:

@@ -22,6 +22,7 @@ SegmentKind = Literal["model", "env"]
 # `env_error`, `env_timeout`, `bad_observation`: the environment raised, ran past step_timeout_s, or returned an
 # observation that is not text. `abort`: the engine aborted the request (a pause in abort mode).
 END_REASONS = ("done", "max_turns", "max_tokens", "length", "env_error", "env_timeout", "bad_observation", "abort")
+ENV_FAILURES = ("env_error", "env_timeout", "bad_observation")
 _STATUS = {"abort": SampleStatus.ABORTED, "length": SampleStatus.TRUNCATED, "max_tokens": SampleStatus.TRUNCATED}
 
 
@@ -34,6 +35,7 @@ class Segment:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    num_messages: int = 0  # environment turns: how many transcript messages it stands for
 
 
 @dataclass
@@ -67,7 +69,8 @@ class Episode:
         self.messages.append({"role": "assistant", "content": text})
 
     def add_env(self, ids: list[int], messages: list[dict[str, Any]]) -> None:
-        self.segments.append(Segment("env", list(ids), "".join(str(m.get("content", "")) for m in messages)))
+        text = "".join(str(m.get("content", "")) for m in messages)
+        self.segments.append(Segment("env", list(ids), text, num_messages=len(messages)))
         self.messages.extend(messages)
 
     def end(self, reason: str, error: str = "") -> None:
@@ -86,13 +89,22 @@ class Episode:
             "messages": list(self.messages),
         }
 
-    def to_sample(self, record: PromptRecord, group_index: int = 0, weight_version: int | None = None) -> Sample:
+    def drop_env(self) -> None:
+        """Takes back the last environment turn (ids and transcript): the model never read it."""
+        segment = self.segments.pop()
+        assert segment.kind == "env", "drop_env: the last segment is the model's"
+        del self.messages[len(self.messages) - segment.num_messages :]
+
+    def to_sample(
+        self, record: PromptRecord, group_index: int = 0, weight_version: int | None = None, drop_failed: bool = False
+    ) -> Sample:
         """The trainer's view: response = every segment's ids, mask 1 on model ids and 0 on environment ids,
         logprobs the engine's (0.0 on environment ids). `response_text` is the last model turn's text (what a
         reward of a final answer reads); the whole transcript is in `metadata["episode"]`. An episode that ended
         before its first model turn (its environment failed to start, its prompt fills max_total_tokens) has
         nothing to train on: it is `aborted` (left out of the train batch), under `weight_version` (the engine's
-        then), which it then requires."""
+        then), which it then requires. `drop_failed` (`rollout.multi_turn.env_failures: drop`): an episode its
+        environment ended by failing is `aborted` too."""
         if not self.end_reason:
             raise ValueError("to_sample: the episode has not ended (call end(reason) first)")
         response: list[int] = []
@@ -105,6 +117,8 @@ class Episode:
             logprobs += segment.logprobs if model else [0.0] * len(segment.ids)
         versions = sorted({v for s in self.segments for v in s.weight_versions})
         status = _STATUS.get(self.end_reason, SampleStatus.COMPLETED)
+        if drop_failed and self.end_reason in ENV_FAILURES:
+            status = SampleStatus.ABORTED
         if not self.num_turns:
             if weight_version is None:
                 raise ValueError("to_sample: an episode without a model turn needs the engine's weight_version")

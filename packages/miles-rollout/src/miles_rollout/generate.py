@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import numbers
+import queue
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -69,33 +71,51 @@ async def single_turn(record: PromptRecord, client: EngineClient, sampling: Samp
     )
 
 
-async def _call(fn: Callable, *args: Any) -> Any:
-    """`fn(*args)`, awaited when it is a coroutine function. A plain function runs in a daemon thread of its own
-    (not the event loop's executor): a slow one does not stop the other episodes, step_timeout_s still ends its
-    episode, and one that never returns holds neither the executor's threads (the hf engine decodes there) nor
-    the end of the rollout (`asyncio.run` waits for the executor, not for this thread)."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
+class _EnvThread:
+    """Where one episode's environment runs: `await call(fn, *args)` awaits a coroutine function in the loop and
+    runs a plain one on this episode's own daemon thread, the same thread for every call of the episode (its
+    construction, reset and steps), so an environment may hold what belongs to a thread (a sqlite connection, a
+    client that is not thread-safe). Not the event loop's executor: a slow step does not stop the other episodes,
+    step_timeout_s still ends its episode, and one that never returns holds neither the executor's threads (the
+    hf engine decodes there) nor the end of the rollout (`asyncio.run` waits for the executor, not for this
+    thread). `close()` lets the thread end once what it runs returns."""
 
-    def settle(value: Any, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(value)
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
-    def run() -> None:
-        try:
-            value, error = fn(*args), None
-        except BaseException as exc:  # handed to the episode, which records it
-            value, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, value, error)
-        except RuntimeError:  # the loop has closed: the episode ended long ago
-            pass
+    async def call(self, fn: Callable, *args: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True, name="miles-env")
+            self._thread.start()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._jobs.put((fn, args, loop, future))
+        result = await future
+        return await result if inspect.isawaitable(result) else result
 
-    threading.Thread(target=run, daemon=True, name="miles-env-step").start()
-    result = await future
-    return await result if inspect.isawaitable(result) else result
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, loop, future = job
+            try:
+                value, error = fn(*args), None
+            except BaseException as exc:  # handed to the episode, which records it
+                value, error = None, exc
+            try:
+                loop.call_soon_threadsafe(_settle, future, value, error)
+            except RuntimeError:  # the loop has closed: the episode ended long ago
+                pass
+
+
+def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if not future.done():  # a step that ran past step_timeout_s: its episode has ended (the future is cancelled)
+        future.set_exception(error) if error is not None else future.set_result(value)
 
 
 def _as_messages(observation: Any, role: str) -> list[dict[str, Any]] | None:
@@ -114,15 +134,27 @@ async def multi_turn(record: PromptRecord, client: EngineClient, sampling: Sampl
     `rollout.multi_turn` limits it (max_turns, max_total_tokens: the prompt and every turn). A failing
     environment (it raises, times out, answers with something that is not text) ends only its episode, with the
     reason in `metadata["episode"]`; the step goes on."""
+    worker = _EnvThread()
+    try:
+        return await _run_episode(record, client, sampling, ctx, worker)
+    finally:
+        worker.close()
+
+
+async def _run_episode(
+    record: PromptRecord, client: EngineClient, sampling: SamplingParams, ctx: GenerateContext, worker: _EnvThread
+) -> Sample:
     limits = ctx.config.multi_turn
-    env = ctx.new_environment()
+    drop_failed = limits.env_failures == "drop"
+    env = await worker.call(ctx.new_environment)  # on the thread that runs its methods
     path = ctx.config.environment
     tools = getattr(env, "tools", None) or None
     version = client.engine.weight_version  # of an episode that ends before its first model turn (aborted)
     try:
-        first = await asyncio.wait_for(_call(env.reset, record), limits.step_timeout_s)
+        first = await asyncio.wait_for(worker.call(env.reset, record), limits.step_timeout_s)
     except asyncio.TimeoutError:
-        return _no_turn(ctx, record, tools, version, "env_timeout", "reset() ran past step_timeout_s")
+        error = f"reset() ran past rollout.multi_turn.step_timeout_s ({limits.step_timeout_s} s)"
+        return _no_turn(ctx, record, tools, version, "env_timeout", error)
     except Exception as exc:  # the environment could not start: this episode only
         return _no_turn(ctx, record, tools, version, "env_error", f"reset(): {type(exc).__name__}: {exc}"[:500])
     if isinstance(first, str):
@@ -152,12 +184,10 @@ async def multi_turn(record: PromptRecord, client: EngineClient, sampling: Sampl
         if result.finish_reason == FinishReason.ABORT:
             episode.end("abort")
             break
-        if result.finish_reason == FinishReason.LENGTH:
-            episode.end("max_tokens" if turn_sampling is not sampling else "length")
-            break
+        cut = result.finish_reason == FinishReason.LENGTH  # shown to the environment for its reward, then the end
         action = Action(text, parse_tool_call(text, limits.tool_format))
         try:
-            step = await asyncio.wait_for(_call(env.step, action), limits.step_timeout_s)
+            step = await asyncio.wait_for(worker.call(env.step, action), limits.step_timeout_s)
         except asyncio.TimeoutError:
             episode.end("env_timeout", f"step() ran past rollout.multi_turn.step_timeout_s ({limits.step_timeout_s} s)")
             break
@@ -166,7 +196,12 @@ async def multi_turn(record: PromptRecord, client: EngineClient, sampling: Sampl
             break
         if not isinstance(step, StepResult):
             raise TypeError(f"{path}: step() returned {step!r:.120}: expected a miles_rollout.env.StepResult")
+        if isinstance(step.reward, bool) or not isinstance(step.reward, numbers.Real):
+            raise TypeError(f"{path}: step() returned reward={step.reward!r:.80}: expected a number")
         episode.rewards.append(float(step.reward))
+        if cut:  # the turn has no end token: the episode cannot go on from there
+            episode.end("max_tokens" if turn_sampling is not sampling else "length")
+            break
         if step.done and not step.observation:
             episode.end("done")
             break
@@ -185,12 +220,12 @@ async def multi_turn(record: PromptRecord, client: EngineClient, sampling: Sampl
         ids = ctx.encoder.turn_ids(messages, tools, model_end)
         episode.add_env(ids, messages)
         if episode.num_tokens >= limits.max_total_tokens:
-            episode.segments.pop()  # no room for the model to answer: the observation is not trained on either
+            episode.drop_env()  # no room for the model to answer: neither trained on nor in the transcript
             episode.end("max_tokens")
             break
     else:  # max_turns == 0 cannot happen (validated); keeps the loop's contract explicit
         episode.end("max_turns")
-    return episode.to_sample(record, ctx.group_index)
+    return episode.to_sample(record, ctx.group_index, drop_failed=drop_failed)
 
 
 def _no_turn(ctx: GenerateContext, record: PromptRecord, tools: Any, version: int, reason: str, error: str) -> Sample:

@@ -7,8 +7,9 @@ The protocol is Miles' own, small enough to serve from any web framework:
 
 `metadata` holds the prompt record's extra fields and, for an episode, `metadata["episode"]` (its transcript).
 A step's samples go in requests of `batch_size`, at most `max_concurrent_requests` at a time. A request that
-times out, cannot connect or gets a 5xx answer is retried `max_retries` times (waiting `backoff_s`, doubled each
-time); a 4xx answer, or an answer that is not one number per sample, fails at once. Errors name the URL.
+times out, cannot connect or is answered 408, 429 or 5xx (but 501, 505) is retried `max_retries` times (waiting
+`backoff_s`, doubled each time, or the answer's `Retry-After` seconds when longer, up to 60); another 4xx answer,
+or an answer that is not one number per sample, fails at once. Errors name the URL.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 
 from miles_rollout.config import RemoteRewardConfig
+from miles_rollout.headers import resolve_headers
 from miles_rollout.types import Sample
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class RemoteReward:
         size = self.config.batch_size
         slots = asyncio.Semaphore(self.config.max_concurrent_requests)
         timeout = httpx.Timeout(self.config.timeout_s)
-        async with httpx.AsyncClient(timeout=timeout, headers=self.config.headers) as client:
+        async with httpx.AsyncClient(timeout=timeout, headers=resolve_headers(self.config.headers)) as client:
             chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
             answers = await asyncio.gather(*[self._post(client, slots, chunk) for chunk in chunks])
         return [reward for answer in answers for reward in answer]
@@ -65,9 +67,12 @@ class RemoteReward:
             except (httpx.TimeoutException, httpx.TransportError) as exc:
                 problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             else:
-                if response.status_code < 500:
+                if response.status_code not in _RETRIED and (
+                    response.status_code < 500 or response.status_code in _FINAL
+                ):
                     return self._rewards(response, len(chunk))
                 problem = f"HTTP {response.status_code}: {response.text[:200]}"
+                wait = max(wait, _retry_after(response))
             if last:
                 raise RemoteRewardError(
                     f"reward service {url}: {problem} (after {attempt + 1} attempts; rollout.remote_reward.max_retries"
@@ -92,3 +97,15 @@ class RemoteReward:
             got = len(rewards) if isinstance(rewards, list) else type(rewards).__name__
             raise RemoteRewardError(f"reward service {url}: {got} rewards for {expected} samples")
         return rewards
+
+
+_RETRIED = (408, 429)  # request timeout, too many requests: "try again later"
+_FINAL = (501, 505)  # not implemented, HTTP version not supported: no retry will change them
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """The seconds a `Retry-After: N` header asks for (at most 60; a date or nothing: 0)."""
+    try:
+        return min(max(float(response.headers.get("Retry-After", "")), 0.0), 60.0)
+    except ValueError:
+        return 0.0

@@ -80,10 +80,15 @@ async def score_all(reward_fn: RewardFn, samples: list[Sample], name: str) -> li
             size = len(values) if isinstance(values, list | tuple) else type(values).__name__
             raise RewardError(f"reward {name!r} (batched) returned {size} rewards for {len(samples)} samples")
         return [as_reward(v, s, name) for v, s in zip(values, samples, strict=True)]
-    if inspect.iscoroutinefunction(reward_fn):
+    if _is_async(reward_fn):
         values = await asyncio.gather(*[reward_fn(s) for s in samples])
         return [as_reward(v, s, name) for v, s in zip(values, samples, strict=True)]
     return [score(reward_fn, s, name) for s in samples]
+
+
+def _is_async(fn: Any) -> bool:
+    """An `async def` function, or an object whose `__call__` is one (a reward model client's instance)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def registered_rewards() -> list[str]:

@@ -35,6 +35,7 @@ from miles_control.api.schemas import (
 from miles_control.schedules.control import ScheduleChangeError, queue_schedule_change
 from miles_control.store import FINAL, InvalidTransition, Job, JobNotFound, JobStatus, Store
 from miles_control.store.tokens import check_token
+from miles_rollout.headers import redact_headers
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"], responses=documented(401))
 
@@ -85,7 +86,7 @@ def _public(job: Job, last_step: int | None) -> dict:
 def _detail(store: Store, job: Job) -> JobDetail:
     return JobDetail(
         **_public(job, store.last_step(job.id)),
-        spec=job.spec,
+        spec=redact_headers(job.spec or {}),  # a reward service's key is not shown to every reader
         attempts=[AttemptPublic.model_validate(a) for a in store.attempts(job.id)],
         checkpoints=[CheckpointPublic.model_validate(c) for c in store.checkpoints(job.id)],
     )
