@@ -47,8 +47,9 @@ def check_weight_syncs(store: Store, job_id: int, num_steps: int, first: int = 1
 
 def test_short_demo_learns(tmp_path):
     """On the default engine: sglang where it is installed (as in CI), else hf. Measured on SGLang (seeded):
-    held-out accuracy 0.31 → 0.45 → 0.55 at steps 0, 10, 20, mean reward 0.18 over the first five steps and 0.27
-    over the last five (the demo goes on to 0.9; 20 steps keep CI short)."""
+    held-out accuracy 0.40 → 0.48 → 0.51 at steps 0, 10, 20 here, 0.46 → 0.52 → 0.53 on a CI machine (from a
+    warm start that stopped later; 0.31 → 0.45 → 0.55 from the old 0.3 target); mean reward 0.20 over the first
+    five steps and 0.29 over the last five (the demo goes on to 0.9; 20 steps keep CI short)."""
     steps = 20
     result, store = miles_run(
         tmp_path, f"schedule.num_steps={steps}", "schedule.stop_at_accuracy=null", "rollout.eval.every_steps=10"
@@ -57,10 +58,12 @@ def test_short_demo_learns(tmp_path):
     assert job.status == "succeeded", job.error
     curve = dict(store.metric_series(1, "eval/accuracy"))
     start, end = curve[0], curve[steps]
-    # The margin is several times the eval noise (~0.02 std on 500 prompts).
-    assert end >= start + 0.12, curve
+    # The rewards are the steady signal: 5 steps × 512 samples, a standard error of about 0.01 on each mean.
     rewards = [v for _, v in store.metric_series(1, "rollout/reward_mean")]
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.04, rewards
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, rewards
+    # Held-out: the same 500 prompts at both ends (an accuracy's standard error is about 0.022); the gain in 20
+    # steps measured 0.07–0.24, depending on where the warm start stopped.
+    assert end >= start + 0.05, curve
     check_weight_syncs(store, 1, steps)
     stages = {s.stage for s in store.spans(1)}
     assert {"rollout", "reward", "train", "weight_sync", "eval"} <= stages

@@ -42,8 +42,9 @@ class BuiltinModelConfig(_Strict):
         gt=0,
         le=1,
         description="Stop the warm start once greedy accuracy on 200 held-out prompts reaches this (checked every "
-        "5 steps), so the model starts RL from the same accuracy on every machine (the steps it takes depend on "
-        "the CPU's kernels: AVX-512, AVX2). None: exactly `warm_start_steps` steps.",
+        "5 steps, then every step once within 0.1 of it), so the model starts RL from the same accuracy on every "
+        "machine (the steps it takes depend on the CPU's kernels: AVX-512, AVX2). None: exactly `warm_start_steps` "
+        "steps.",
     )
     warm_start_lr: float = Field(1e-3, gt=0)
     warm_start_batch_size: int = Field(64, gt=0)
