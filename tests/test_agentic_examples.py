@@ -1,5 +1,6 @@
-"""The multi-turn example task through `miles run` (issue 19): episodes recorded turn by turn in the default run;
-the learning run (held-out episode score rises well above its start within a fixed budget) in the extended tier."""
+"""The multi-turn example tasks through `miles run` (issue 19). Feedback: episodes recorded turn by turn in the
+default run, the learning run (held-out episode score rises well above its start within a fixed budget) in the
+extended tier. Calculator (tool use): the model learns to call the tool, in the default run."""
 
 import os
 import subprocess
@@ -9,14 +10,16 @@ from pathlib import Path
 import pytest
 
 from miles_control.store import Store
+from miles_rollout.env import parse_tool_call
+from miles_rollout.tasks.calculator import calculate
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def run_feedback(tmp_path: Path, *overrides: str) -> Store:
+def run_example(tmp_path: Path, name: str, *overrides: str) -> Store:
     url = f"sqlite:///{tmp_path}/miles.db"
-    args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "episodes" / "feedback.yaml"),
+    args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "episodes" / f"{name}.yaml"),
             "--quiet", "--set", f"store.url={url}", "--set", f"output_dir={tmp_path}/runs"]  # fmt: skip
     for override in overrides:
         args += ["--set", override]
@@ -42,7 +45,7 @@ def check_episodes(store: Store) -> None:
 def test_feedback_episodes_run_through_miles_run(tmp_path):
     """Three steps of examples/episodes/feedback.yaml on the default engine (sglang where installed, as in CI):
     episodes go from the environment through the engine and the trainer to the store, turn by turn."""
-    store = run_feedback(tmp_path, "schedule.num_steps=3", "rollout.num_prompts_per_step=16",
+    store = run_example(tmp_path, "feedback", "schedule.num_steps=3", "rollout.num_prompts_per_step=16",
                          "rollout.eval.every_steps=0", "rollout.eval.num_prompts=32")  # fmt: skip
     check_episodes(store)
     assert set(dict(store.metric_series(1, "eval/success"))) == {0, 3}
@@ -56,10 +59,41 @@ def test_feedback_task_learns(tmp_path):
     300 prompts is ~0.03. With half the prompts per step and lr 2e-4 runs differed by 0.11 at step 20 (0.49,
     0.375): the example's 64 prompts per step keep it steady."""
     steps = 20
-    store = run_feedback(tmp_path, f"schedule.num_steps={steps}")
+    store = run_example(tmp_path, "feedback", f"schedule.num_steps={steps}")
     score = dict(store.metric_series(1, "eval/accuracy"))
     success = dict(store.metric_series(1, "eval/success"))
     print(f"feedback task: held-out score {score}, success {success}")
     assert score[steps] >= score[0] + 0.1, score
     assert success[steps] > success[0]
     check_episodes(store)
+
+
+def test_the_calculator_task_learns_to_call_the_tool(tmp_path):
+    """examples/episodes/calculator.yaml, 8 steps on the default engine (sglang where installed, as in CI): the
+    warm-started model rarely calls the calculator on multiplications and cannot multiply; RL makes it call. Measured
+    on SGLang (20 steps): held-out success 0.02 → 0.49 → 0.97 → 0.99 at steps 0, 5, 10, 20, model turns per
+    held-out episode 1.01 → 2.0."""
+    steps = 8
+    store = run_example(tmp_path, "calculator", f"schedule.num_steps={steps}", f"rollout.eval.every_steps={steps}")
+    success = dict(store.metric_series(1, "eval/success"))
+    turns = dict(store.metric_series(1, "eval/num_turns"))
+    print(f"calculator task: held-out success {success}, model turns {turns}")
+    # 300 held-out prompts: a share's standard error is at most 0.03.
+    assert success[0] < 0.2 and success[steps] >= success[0] + 0.3, success
+    assert turns[steps] > turns[0] + 0.3, turns  # it succeeds by calling: a second turn after the tool's answer
+    rewards = [v for _, v in store.metric_series(1, "rollout/reward_mean")]
+    assert rewards[-1] > rewards[0] + 0.2, rewards
+    called = [s for s in store.samples(1) if "\n[tool] " in s.response]
+    assert called, [s.response for s in store.samples(1)][:3]
+    for sample in called:  # the call, the tool's answer to exactly that call, the final answer
+        call, tool, answer, end = sample.response.split("\n")
+        parsed = parse_tool_call(call.removeprefix("[assistant] "), "xml")
+        assert (
+            parsed is not None
+            and tool == f"[tool] {calculate(parsed.arguments['input'])}="
+            and answer.startswith("[assistant] ")
+            and end in ("[end] done", "[end] length")
+        )
+        assert sample.reward == float(answer.removeprefix("[assistant] ") == sample.label), sample
+    fractions = dict(store.metric_series(1, "rollout/env_token_frac")).values()
+    assert all(0.0 <= f < 1.0 for f in fractions) and max(fractions) > 0.1  # tool tokens, masked out of the loss

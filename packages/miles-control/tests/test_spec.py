@@ -158,3 +158,16 @@ def test_a_schedule_as_another_type_keeps_what_both_have():
     assert SyncSchedule.live_fields() == ("pause_mode",)
     assert FullyAsyncSchedule.live_fields() == ("update_weights_interval", "max_staleness", "pause_mode",
                                                 "buffer_groups")  # fmt: skip
+
+
+def test_a_built_in_models_own_setting_is_refused_on_the_other(tmp_path):
+    errors = errors_of(write(tmp_path, "name: x\nmodel:\n  warm_start_call_share: 0.2\n"))
+    assert errors == ["model: Value error, warm_start_call_share is a setting of tiny-qwen2-calculator, not of "
+                      "tiny-qwen2-arithmetic"]  # fmt: skip
+    spec = load_spec(write(tmp_path, "name: x\nmodel:\n  name: tiny-qwen2-calculator\n  warm_start_call_share: 0.2\n"))
+    assert spec.model.warm_start_call_share == 0.2
+    # A spec goes to the workers and the store as its dump, every field written: it must validate again, the same.
+    for text in ("name: x\n", "name: x\nmodel:\n  name: tiny-qwen2-calculator\n"):
+        spec = load_spec(write(tmp_path, text))
+        assert type(spec).model_validate(spec.model_dump(mode="json")) == spec
+    assert (spec.model.warm_start_call_share, spec.model.warm_start_target) == (0.1, 0.9)  # the calculator's defaults

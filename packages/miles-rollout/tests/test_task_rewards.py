@@ -4,11 +4,13 @@ import asyncio
 import importlib.util
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from miles_rollout.config import RemoteRewardConfig, RolloutConfig
+from miles_rollout.math_worker import LabelError, MathVerifier
 from miles_rollout.rewards import RewardError, batched, resolve_reward, score_all
 from miles_rollout.types import Sample
 
@@ -31,12 +33,31 @@ def test_math_verify_scores_equal_answers():
         assert fn(sample(response, label)) == expected, (response, label)
     with pytest.raises(RewardError, match="the label '' does not parse as math"):
         fn(sample("3", ""))  # an empty label: a data bug, not a wrong answer
-    # off the main thread (a rollout thread) it runs without its SIGALRM timeout instead of failing
+    # off the main thread (a rollout thread) too: the checks run in a worker process's main thread
     out: list = []
     thread = threading.Thread(target=lambda: out.append(fn(sample("\\boxed{6}", "6"))))
     thread.start()
     thread.join()
     assert out == [1.0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="math-verify is not installed")
+def test_math_verify_bounds_the_time_of_a_check():
+    """A check past the hard limit scores 0, its worker is replaced, and the next check is answered: math-verify's
+    own SIGALRM limits cannot stop a rollout thread (this 50-term sum takes it about 3 s)."""
+    verifier = MathVerifier(hard_limit_s=0.5)
+    try:
+        assert verifier.check("3", "so x = 3") == 1.0
+        first = verifier.pid
+        slow = "\\boxed{" + "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(50)) + "}"
+        started = time.monotonic()
+        assert verifier.check("3", slow) == 0.0
+        assert time.monotonic() - started < 2.5 and verifier.timeouts == 1 and verifier.pid is None
+        assert verifier.check("0.5", "\\boxed{\\frac{1}{2}}") == 1.0 and verifier.pid not in (None, first)
+        with pytest.raises(LabelError, match="the label '' does not parse as math"):
+            verifier.check("", "3")
+    finally:
+        verifier.close()
 
 
 def test_async_and_batched_reward_functions():

@@ -1,5 +1,6 @@
 """The supervised warm start stops when asked to (the built-in model's accuracy target)."""
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -28,3 +29,24 @@ def test_done_is_asked_every_few_steps_and_stops_the_run():
     steps.clear()
     supervised_finetune(tiny_model(), examples, 7, batch_size=2, on_step=lambda s, _: steps.append(s))
     assert len(steps) == 7  # without `done`: every step
+
+
+def test_a_completion_mask_leaves_tokens_out_of_the_loss():
+    """Masked-out completion tokens (a tool's answer in a demonstrated episode) are context: the model learns the
+    tokens around them, not them."""
+    import torch.nn.functional as F
+
+    # prompt [1]; completion 2 3 4 5, where 3 and 4 play the environment's turn (mask 0).
+    trained = tiny_model()
+    supervised_finetune(trained, [([1], [2, 3, 4, 5], [1, 0, 0, 1])], 60, batch_size=4, lr=1e-2)
+    with torch.no_grad():
+        logprobs = F.log_softmax(trained(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits[0], dim=-1)
+    # Position i predicts token i+1: 2 (after 1) and 5 (after 4) were trained; 3 and 4 were not.
+    learned = [logprobs[0, 2].exp().item(), logprobs[3, 5].exp().item()]
+    untrained = [logprobs[1, 3].exp().item(), logprobs[2, 4].exp().item()]
+    assert min(learned) > 0.9 and max(untrained) < 0.5, (learned, untrained)
+    with pytest.raises(ValueError, match="example 0: a mask of 1 for 2 completion tokens"):
+        supervised_finetune(tiny_model(), [([1], [2, 3], [1])], 1)
+    for mask in ([0, 0], [1, 2]):  # nothing to learn (a NaN loss), or not a mask
+        with pytest.raises(ValueError, match="example 0: a mask of 0s and 1s with at least one 1"):
+            supervised_finetune(tiny_model(), [([1], [2, 3], mask)], 1)

@@ -51,7 +51,10 @@ def _cache_key(config: BuiltinModelConfig, digits: int) -> str:
 
     payload = json.dumps(
         {
-            "config": config.model_dump(),
+            # The calculator's own field stays out of the arithmetic model's key (where it is always None).
+            "config": config.model_dump(
+                exclude=None if config.name == "tiny-qwen2-calculator" else {"warm_start_call_share"}
+            ),
             "digits": digits,
             "format": ASSET_FORMAT,
             "torch": torch.__version__,
@@ -113,11 +116,13 @@ def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     from miles_rollout.tasks.arithmetic import ALPHABET, arithmetic_prompts, build_char_tokenizer
+    from miles_rollout.tasks.calculator import CALL_TOKENS, calculator_demonstrations, tool_use_records
     from miles_train.sft import supervised_finetune
 
     hf_logging.disable_progress_bar()  # the CLI shows its own progress
     started = time.time()
-    tokenizer = build_char_tokenizer(ALPHABET)
+    calculator = config.name == "tiny-qwen2-calculator"
+    tokenizer = build_char_tokenizer(ALPHABET, CALL_TOKENS if calculator else ())
     torch.manual_seed(config.seed)
     model_config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -134,12 +139,22 @@ def _build_into(config: BuiltinModelConfig, digits: int, folder: Path) -> None:
     )
     model = Qwen2ForCausalLM(model_config)
     # Warm start on prompts drawn with another seed than the RL data generator uses.
-    examples = [
-        (tokenizer.encode(r.prompt), tokenizer.encode(r.label) + [tokenizer.eos_token_id])
-        for r in arithmetic_prompts(20000, seed=config.seed + 7_777, digits=digits)
-    ]
+    examples: list = []
+    if calculator:  # additions and multiplications, a few of them through the calculator
+        records = arithmetic_prompts(20000, seed=config.seed + 7_777, digits=digits, operations=("+", "*"))
+        # Half the additions show the format (enough examples to learn to copy the tool's answer); few
+        # multiplications do, so that the model rarely thinks of calling where it would pay.
+        share = {"+": 0.5, "*": config.warm_start_call_share or 0.0}  # set (0.1 by default) for the calculator
+        examples = calculator_demonstrations(records, tokenizer.encode, tokenizer.eos_token_id, share, config.seed)
+        multiplications = arithmetic_prompts(200, seed=config.seed + 9_999, digits=digits, operations=("*",))
+        held_out = tool_use_records(multiplications, tokenizer.eos_token)  # the tool has answered: copy it
+    else:
+        examples = [
+            (tokenizer.encode(r.prompt), tokenizer.encode(r.label) + [tokenizer.eos_token_id])
+            for r in arithmetic_prompts(20000, seed=config.seed + 7_777, digits=digits)
+        ]
+        held_out = arithmetic_prompts(200, seed=config.seed + 9_999, digits=digits)
     loss = float("nan")
-    held_out = arithmetic_prompts(200, seed=config.seed + 9_999, digits=digits)
     progress = {"steps": 0, "accuracy": None}
 
     def reached(force: bool = False) -> bool:

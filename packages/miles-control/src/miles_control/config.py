@@ -28,7 +28,13 @@ class BuiltinModelConfig(_Strict):
     """
 
     source: Literal["builtin"] = "builtin"
-    name: Literal["tiny-qwen2-arithmetic"] = "tiny-qwen2-arithmetic"
+    name: Literal["tiny-qwen2-arithmetic", "tiny-qwen2-calculator"] = Field(
+        "tiny-qwen2-arithmetic",
+        description="tiny-qwen2-arithmetic: warm-started on addition; tiny-qwen2-calculator: its tokenizer has the "
+        "call tokens <call> and </call>, and its warm start demonstrates calls to a calculator on "
+        "`warm_start_call_share` of its examples (miles_rollout/tasks/calculator.py); `warm_start_target` (0.9 "
+        "unless set) is then the share of held-out multiplications it answers right once the calculator has answered.",
+    )
     hidden_size: int = Field(128, gt=0)
     num_layers: int = Field(4, gt=0)
     num_heads: int = Field(4, gt=0)
@@ -46,9 +52,28 @@ class BuiltinModelConfig(_Strict):
         "machine (the steps it takes depend on the CPU's kernels: AVX-512, AVX2). None: exactly `warm_start_steps` "
         "steps.",
     )
+    warm_start_call_share: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="tiny-qwen2-calculator only: the share of warm-start multiplications that call the calculator "
+        "(additions: half); None gives 0.1 for the calculator model.",
+    )
     warm_start_lr: float = Field(1e-3, gt=0)
     warm_start_batch_size: int = Field(64, gt=0)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _call_share_is_the_calculators(self) -> BuiltinModelConfig:
+        if self.name != "tiny-qwen2-calculator":
+            if self.warm_start_call_share is not None:
+                raise ValueError(f"warm_start_call_share is a setting of tiny-qwen2-calculator, not of {self.name}")
+        else:  # the calculator's defaults, written into the spec: its dump validates to the same model
+            if self.warm_start_call_share is None:
+                self.warm_start_call_share = 0.1
+            if "warm_start_target" not in self.model_fields_set:
+                self.warm_start_target = 0.9  # its target is the share of copies of the tool's answer
+        return self
 
 
 class PathModelConfig(_Strict):

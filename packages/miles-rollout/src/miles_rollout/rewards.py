@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
-import logging
 import math
 import numbers
 import threading
@@ -134,18 +133,23 @@ def env_reward(sample: Sample) -> float:
     return float(episode["env_reward"])
 
 
+_MATH_VERIFIER: Any = None  # one worker process per rollout process, started on first use
+_MATH_VERIFIER_LOCK = threading.Lock()
+
+
 @register_reward("math_verify")
 def math_verify(sample: Sample) -> float:
     """1.0 when the response's answer is mathematically equal to the label (PyPI math-verify: LaTeX or plain
-    expressions, `\\boxed{}` preferred, `\\frac12` equals `0.5`), else 0.0. math-verify bounds its own time with
-    SIGALRM, which only the main thread may use: elsewhere (a rollout thread) it runs without its timeout."""
-    from math_verify import parse, verify
+    expressions, `\\boxed{}` preferred, `\\frac12` equals `0.5`), else 0.0. Checked in a worker process
+    (`miles_rollout.math_worker`), where math-verify's own time limits work from any thread, with a hard limit of
+    20 s a check besides: an answer it cannot decide in time scores 0."""
+    global _MATH_VERIFIER
+    from miles_rollout.math_worker import LabelError, MathVerifier
 
-    main = threading.current_thread() is threading.main_thread()
-    limit = 5 if main else None
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call made without a timeout
-    gold = parse(sample.label, parsing_timeout=limit) or parse(f"${sample.label}$", parsing_timeout=limit)
-    if not gold:
-        raise RewardError(f"reward 'math_verify': the label {sample.label[:60]!r} does not parse as math")
-    answer = parse(sample.response_text, parsing_timeout=limit)
-    return float(bool(answer) and verify(gold, answer, timeout_seconds=limit))
+    with _MATH_VERIFIER_LOCK:
+        if _MATH_VERIFIER is None:
+            _MATH_VERIFIER = MathVerifier()
+    try:
+        return _MATH_VERIFIER.check(sample.label, sample.response_text)
+    except LabelError as exc:
+        raise RewardError(f"reward 'math_verify': {exc}") from None

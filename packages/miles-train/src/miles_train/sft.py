@@ -1,19 +1,20 @@
 """Supervised fine-tuning of an HF causal LM on (prompt, completion) pairs, in one process.
 
-Used for warm starts: RL needs a policy that succeeds sometimes, not never.
+Used for warm starts: RL needs a policy that succeeds sometimes, not never. A completion may carry a per-token
+mask (an episode: the model's turns trained, the environment's turns context only).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 
 def supervised_finetune(
     model: torch.nn.Module,
-    examples: list[tuple[list[int], list[int]]],
+    examples: Sequence[tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]],
     num_steps: int,
     batch_size: int = 64,
     lr: float = 1e-3,
@@ -23,8 +24,17 @@ def supervised_finetune(
     done: Callable[[], bool] | None = None,
     check_every: int = 20,
 ) -> float:
-    """Train on completion tokens only (prompt tokens are context). Returns the last loss. With `done`, stop
-    early once it returns True (asked every `check_every` steps, and before the first)."""
+    """Train on completion tokens only (prompt tokens are context). An example is `(prompt, completion)` or
+    `(prompt, completion, mask)`, the mask one 0/1 per completion token (0: context, e.g. a tool's answer inside
+    a demonstrated episode). Returns the last loss. With `done`, stop early once it returns True (asked every
+    `check_every` steps, and before the first)."""
+    for index, example in enumerate(examples):
+        if len(example) == 3:
+            mask = example[2]
+            if len(mask) != len(example[1]):
+                raise ValueError(f"example {index}: a mask of {len(mask)} for {len(example[1])} completion tokens")
+            if not set(mask) <= {0, 1} or 1 not in mask:
+                raise ValueError(f"example {index}: a mask of 0s and 1s with at least one 1, not {mask[:20]}")
     rng = random.Random(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -38,14 +48,17 @@ def supervised_finetune(
             if finished:
                 break
         chosen = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        width = max(len(p) + len(c) for p, c in chosen)
+        width = max(len(e[0]) + len(e[1]) for e in chosen)
         ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)
         labels = torch.full((batch_size, width), -100, dtype=torch.long)
         attention = torch.zeros((batch_size, width), dtype=torch.long)
-        for row, (prompt, completion) in enumerate(chosen):
+        for row, example in enumerate(chosen):
+            prompt, completion = example[0], example[1]
             seq = prompt + completion
             ids[row, : len(seq)] = torch.tensor(seq)
             attention[row, : len(seq)] = 1
+            if len(example) == 3:  # masked-out tokens are context, like the prompt
+                completion = [t if m else -100 for t, m in zip(completion, example[2], strict=True)]
             labels[row, len(prompt) : len(seq)] = torch.tensor(completion)
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         loss.backward()

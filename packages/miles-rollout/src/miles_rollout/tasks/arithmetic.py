@@ -37,12 +37,13 @@ def split_train_eval(
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
 
-def build_char_tokenizer(alphabet: str = ALPHABET):
+def build_char_tokenizer(alphabet: str = ALPHABET, added_tokens: tuple[str, ...] = ()):
     """A character-level fast tokenizer (one token per character), saveable as an HF folder.
 
-    Ids: `<pad>`=0, `<eos>`=1, `<unk>`=2, then the alphabet in order.
+    Ids: `<pad>`=0, `<eos>`=1, `<unk>`=2, then the alphabet in order, then `added_tokens`: words that are one
+    token each (the calculator's `<call>`, `</call>`), not special (decoding keeps them).
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
@@ -50,4 +51,6 @@ def build_char_tokenizer(alphabet: str = ALPHABET):
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+    return fast
