@@ -489,3 +489,75 @@ def test_templates_that_render_the_last_turn_differently(chat_model_dir):
     encoder = PromptEncoder(tokenizer, "model")
     ids = encoder.turn_ids([{"role": "user", "content": "5"}], model_end="<|end|>")
     assert tokenizer.decode(ids) == "<|user|>5<|end|><|assistant|>"
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %}{{ t | tojson }}{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class Multiplier:
+    """A tool environment in the hermes format: `mul` multiplies its arguments; the answer after it ends."""
+
+    tools = [{"type": "function", "function": {"name": "mul", "parameters": {"type": "object"}}}]
+
+    def __init__(self) -> None:
+        self.actions: list = []
+
+    def reset(self, record):
+        return None
+
+    def step(self, action):
+        self.actions.append(action)
+        if action.tool_call is not None:
+            return StepResult(observation=str(action.tool_call.arguments["a"] * action.tool_call.arguments["b"]))
+        return StepResult(reward=float(action.text == "42"), done=True)
+
+
+def test_a_tool_episode_is_the_templates_rendering_of_the_tools_the_call_and_the_tool_turn(monkeypatch):
+    """Issue 19's "chat templates for episodes, with the tools list and the tool-call format": the environment's
+    `tools` are rendered into the prompt by the template, the model's hermes call is parsed, the tool's answer is
+    a `tool` turn, and the episode's ids are exactly the template's rendering of the whole conversation."""
+    import string
+
+    from miles_rollout.generate import make_context, multi_turn
+    from miles_rollout.types import FinishReason, GenerateResult
+
+    alphabet = "".join(c for c in string.printable if c not in "\t\n\r\x0b\x0c")
+    tokenizer = build_char_tokenizer(alphabet)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|system|>", *TURN_TOKENS]})
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    call = '<tool_call>{"name": "mul", "arguments": {"a": 6, "b": 7}}</tool_call>'
+    turns = [tokenizer.encode(call, add_special_tokens=False) + [end], tokenizer.encode("42") + [end]]
+    envs: list[Multiplier] = []
+    plugin_module(monkeypatch, "user_tools", make=lambda: envs.append(Multiplier()) or envs[-1])
+
+    class Scripted:
+        engine = types.SimpleNamespace(weight_version=0)
+
+        async def generate(self, ids, sampling, request_id=""):
+            out = turns.pop(0)
+            return GenerateResult(request_id, out, [-0.5] * len(out), FinishReason.STOP, [0])
+
+    config = RolloutConfig(generate="multi_turn", environment="user_tools:make", reward="env",
+                           multi_turn=MultiTurnConfig(max_turns=3, max_total_tokens=400, tool_format="hermes"))  # fmt: skip
+    ctx = make_context(config, tokenizer, PromptEncoder(tokenizer, "model"))
+    sample = asyncio.run(multi_turn(PromptRecord("6*7=", "42"), Scripted(), SamplingParams(max_new_tokens=80), ctx))
+    (env,) = envs
+    assert env.actions[0].tool_call == ToolCall("mul", {"a": 6, "b": 7}) and env.actions[1].tool_call is None
+    conversation = [
+        {"role": "user", "content": "6*7="},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "42"},
+    ]
+    whole = tokenizer.apply_chat_template(conversation, tools=Multiplier.tools, tokenize=False)
+    assert whole.startswith('<|system|>tools:{"type": "function", "function": {"name": "mul"')
+    assert tokenizer.decode(sample.prompt_ids + sample.response_ids) == whole
+    assert sample.prompt_ids + sample.response_ids == tokenizer.encode(whole, add_special_tokens=False)
+    masked_out = [t for t, m in zip(sample.response_ids, sample.loss_mask, strict=True) if not m]
+    assert tokenizer.decode(masked_out) == "<|tool|>42<|end|><|assistant|>"  # the tool's turn, not trained
+    assert sample.metadata["episode"]["env_reward"] == 1.0 and sample.metadata["episode"]["end_reason"] == "done"
