@@ -3,6 +3,8 @@
 import asyncio
 import importlib.util
 import json
+import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,20 +44,29 @@ def test_math_verify_scores_equal_answers():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="math-verify is not installed")
-def test_math_verify_bounds_the_time_of_a_check():
+def test_math_verify_bounds_the_time_of_a_check_and_survives_its_worker():
     """A check past the hard limit scores 0, its worker is replaced, and the next check is answered: math-verify's
-    own SIGALRM limits cannot stop a rollout thread (this 50-term sum takes it about 3 s)."""
-    verifier = MathVerifier(hard_limit_s=0.5)
+    own SIGALRM limits cannot stop a rollout thread (this 50-term sum takes it about 3 s). A worker that dies
+    during a check scores that sample 0 too, and the next check starts another."""
+    verifier = MathVerifier()
+    slow = "\\boxed{" + "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(50)) + "}"
     try:
         assert verifier.check("3", "so x = 3") == 1.0
         first = verifier.pid
-        slow = "\\boxed{" + "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(50)) + "}"
+        verifier.hard_limit_s = 0.5  # for the slow check only: a fresh worker's first checks keep their margin
         started = time.monotonic()
         assert verifier.check("3", slow) == 0.0
         assert time.monotonic() - started < 2.5 and verifier.timeouts == 1 and verifier.pid is None
+        verifier.hard_limit_s = 60.0
         assert verifier.check("0.5", "\\boxed{\\frac{1}{2}}") == 1.0 and verifier.pid not in (None, first)
         with pytest.raises(LabelError, match="the label '' does not parse as math"):
             verifier.check("", "3")
+        doomed = verifier.pid
+        killer = threading.Timer(0.5, os.kill, (doomed, signal.SIGKILL))  # mid-check: the slow one takes ~3 s
+        killer.start()
+        assert verifier.check("3", slow) == 0.0 and verifier.crashes == 1 and verifier.timeouts == 1
+        killer.join()
+        assert verifier.check("3", "3") == 1.0 and verifier.pid not in (None, doomed)
     finally:
         verifier.close()
 

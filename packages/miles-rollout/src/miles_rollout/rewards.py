@@ -12,6 +12,7 @@ mathematically equal to the label: PyPI math-verify) and `remote` (an HTTP servi
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib.util
 import inspect
 import math
@@ -142,13 +143,14 @@ def math_verify(sample: Sample) -> float:
     """1.0 when the response's answer is mathematically equal to the label (PyPI math-verify: LaTeX or plain
     expressions, `\\boxed{}` preferred, `\\frac12` equals `0.5`), else 0.0. Checked in a worker process
     (`miles_rollout.math_worker`), where math-verify's own time limits work from any thread, with a hard limit of
-    20 s a check besides: an answer it cannot decide in time scores 0."""
+    60 s a check besides: an answer it cannot decide in time, or whose check kills the worker, scores 0."""
     global _MATH_VERIFIER
     from miles_rollout.math_worker import LabelError, MathVerifier
 
     with _MATH_VERIFIER_LOCK:
         if _MATH_VERIFIER is None:
             _MATH_VERIFIER = MathVerifier()
+            atexit.register(_MATH_VERIFIER.close)  # a worker stuck in C would outlive an idle parent's EOF
     try:
         return _MATH_VERIFIER.check(sample.label, sample.response_text)
     except LabelError as exc:
