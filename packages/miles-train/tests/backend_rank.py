@@ -12,8 +12,12 @@ with staleness 0, 1, 2 within each group. `pushed` tells the backend that the en
 `offpolicy-int4push` is `offpolicy` with pushes quantized to INT4 (sync.quantization) and an unquantized trainer.
 `qat-FORMAT` sets train.quantization (int4 groups of 32); `mis` masks tokens whose ratio leaves [0.4, 3] on the
 off-policy batch.
+`json:{...}` takes one step with train.algorithm, train.grpo entries and the learning rate from the JSON
+(`{"algorithm": {...}, "grpo": {...}, "lr": 1e-12, "expect_error": true}`); an expected error is recorded with
+the weights after it instead of failing the rank.
 """
 
+import json
 import sys
 
 import torch
@@ -78,6 +82,8 @@ def main() -> None:
         grpo |= {"tis_cap": 1.5, "staleness": "decay", "staleness_decay": 0.5}
     if mode == "mis":
         grpo |= {"mis_band": (0.4, 3.0)}
+    custom = json.loads(mode.removeprefix("json:")) if mode.startswith("json:") else {}
+    grpo |= custom.get("grpo", {})
     backend_cfg, precision = backend_config(variant, world_size)
     quantization = mode.removeprefix("qat-") if mode.startswith("qat-") else "none"
     config = TrainConfig.model_validate(
@@ -86,11 +92,15 @@ def main() -> None:
             "precision": precision,
             "quantization": quantization,
             "quant_group_size": 32,
-            "optimizer": {"lr": 1e-3, "max_grad_norm": 1.0},
+            "optimizer": {"lr": custom.get("lr", 1e-3), "max_grad_norm": 1.0},
             "grpo": grpo,
+            "algorithm": custom.get("algorithm", "grpo"),
         }
     )
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")
+    if custom:
+        one_step(backend, rank, out, custom.get("expect_error", False))
+        return
     if mode == "pushed":
         backend.set_push_dtype("bfloat16")
     if mode == "offpolicy-int4push":  # the engines run INT4 weights; the trainer does not quantize
@@ -108,6 +118,22 @@ def main() -> None:
     result["reloaded"] = snapshot(backend)
     result["metrics_after_reload"] = backend.train_step(batch)
     result["after_reload_step_fp"] = weight_fingerprint(backend.export_weights())
+    backend.shutdown()
+    if rank == 0:
+        torch.save(result, out)
+
+
+def one_step(backend, rank: int, out: str, expect_error: bool) -> None:
+    """One step on the contract batch: its metrics and the weights before and after (or the error it raised)."""
+    batch = contract_batch()
+    result = {"initial": snapshot(backend)}
+    try:
+        result["metrics"] = backend.train_step(batch)
+    except ValueError as exc:
+        if not expect_error:
+            raise
+        result["error"] = str(exc)
+    result["after"] = snapshot(backend)
     backend.shutdown()
     if rank == 0:
         torch.save(result, out)

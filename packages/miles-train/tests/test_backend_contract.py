@@ -8,6 +8,8 @@ Parity tolerance (fp32): loss, KL, entropy and gradient norm within 1e-5 of fsdp
 (measured here: ≤ 3e-7); logprobs within 1e-5; weights after one Adam step (lr 1e-3) within 3e-3.
 """
 
+import json
+import re
 import socket
 import subprocess
 import sys
@@ -18,8 +20,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles_sync import without_tied_head
-from miles_train.collate import collate, token_logprobs
+from miles_train.collate import collate, logprobs_from_logits, token_logprobs
+from miles_train.config import AlgorithmConfig
 from miles_train.grpo import clipped_policy_loss, group_advantages, kl_k3, token_mean
+from miles_train.objectives import (
+    AdvantageInputs,
+    LossInputs,
+    aggregate,
+    build_objective,
+    check_advantages,
+    denominators,
+    kl_estimate,
+)
 
 RANK_SCRIPT = Path(__file__).with_name("backend_rank.py")
 sys.path.insert(0, str(RANK_SCRIPT.parent))
@@ -33,7 +45,8 @@ def free_port() -> int:
 
 
 def run_ranks(model_dir, world_size: int, tmp_path, variant: str = "fsdp2", mode: str = "") -> dict:
-    out, port = tmp_path / f"ws{world_size}-{variant}{mode}.pt", free_port()
+    tag = re.sub(r"\W+", "_", mode)[:80]  # a json: mode holds quotes and braces
+    out, port = tmp_path / f"ws{world_size}-{variant}{tag}.pt", free_port()
     procs = [
         subprocess.Popen(
             [
@@ -44,7 +57,7 @@ def run_ranks(model_dir, world_size: int, tmp_path, variant: str = "fsdp2", mode
                 str(world_size),
                 str(port),
                 str(out),
-                str(tmp_path / f"ckpt-{world_size}-{variant}{mode}"),
+                str(tmp_path / f"ckpt-{world_size}-{variant}{tag}"),
                 variant,
                 mode,
             ],
@@ -357,3 +370,90 @@ def test_engines_in_bf16_the_trainer_trains_the_weights_as_pushed(variant, world
     kept = sum(int(((after[n] != before[n]) & (after[n].bfloat16() != before[n].bfloat16())).sum()) for n in before)
     assert metrics["train/update_kept_frac"] == pytest.approx(kept / changed, abs=1e-6)
     assert 0.0 < metrics["train/update_kept_frac"] < 1.0
+
+
+# Each objective with a loss option, on 2 data-parallel ranks and 2 minibatches (rows 0, 2, 4 then 1, 3, 5), against
+# the same update written plainly on one unsharded model: the aggregated loss (train/objective) and the gradient norm
+# of each minibatch. lr 1e-12 keeps the second minibatch's weights those of the first to ~1e-12.
+OBJECTIVES = [
+    ("grpo", {}),
+    ("dr_grpo", {"entropy_coef": 0.01}),
+    ("gspo", {"dual_clip": 3.0}),
+    ("rloo", {"kl_estimator": "k2"}),
+    ("reinforce_pp", {"kl_estimator": "k1"}),
+    ("grpo", {"aggregation": "seq_mean_token_mean", "kl_in_reward": True}),
+]
+
+
+def plain_minibatch_updates(model_dir, config: AlgorithmConfig) -> list[tuple[float, float]]:
+    """(aggregated loss, gradient norm) of each minibatch, as the update is written plainly (kl_coef 0.1)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    objective = build_objective(config)
+    kl_in_reward = objective.kl_in_reward if config.kl_in_reward is None else config.kl_in_reward
+    batch = contract_batch()
+    whole = collate(batch)
+    with torch.no_grad():
+        old, _ = token_logprobs(model, whole)
+        ref, _ = token_logprobs(reference, whole)
+    penalty = 0.1 * kl_estimate(old, ref, config.kl_estimator) * whole.loss_mask if kl_in_reward else None
+    inputs = AdvantageInputs(
+        torch.tensor(batch.rewards, dtype=torch.float64), batch.group_index, whole.loss_mask, penalty
+    )
+    adv = check_advantages(config.name, objective.advantages(inputs), len(batch), old.shape[1], whole.loss_mask)
+    out = []
+    for rows in ([0, 2, 4], [1, 3, 5]):
+        part = batch.select(rows)
+        c = collate(part)
+        width = c.loss_mask.shape[1]
+        model.zero_grad()
+        logits = model(input_ids=c.input_ids, attention_mask=c.attention_mask).logits
+        logprobs, entropy = logprobs_from_logits(logits, c, 1.0, with_entropy=True, entropy_grad=True)
+        loss_inputs = LossInputs(
+            logprobs, old[rows][:, :width], adv[rows][:, :width], c.loss_mask, 0.2, 0.2, config.dual_clip
+        )
+        per_token, _ = objective.policy_loss(loss_inputs)
+        if not kl_in_reward:
+            per_token = per_token + 0.1 * kl_estimate(logprobs, ref[rows][:, :width], config.kl_estimator)
+        per_token = per_token - config.entropy_coef * entropy
+        aggregation = config.aggregation or objective.aggregation
+        loss = aggregate(per_token, c.loss_mask, aggregation, *denominators(part.loss_mask))
+        loss.backward()
+        norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None))
+        out.append((float(loss.detach()), float(norm)))
+    return out
+
+
+@pytest.mark.parametrize(("name", "options"), OBJECTIVES, ids=[f"{n}-{'-'.join(o) or 'plain'}" for n, o in OBJECTIVES])
+def test_each_objective_split_over_ranks_and_minibatches_matches_plain_pytorch(name, options, tiny_model_dir, tmp_path):
+    config = AlgorithmConfig(name=name, **options)
+    spec = {"algorithm": config.model_dump(), "grpo": {"num_minibatches": 2}, "lr": 1e-12}
+    result = run_ranks(tiny_model_dir, 2, tmp_path, mode="json:" + json.dumps(spec))
+    plain = plain_minibatch_updates(tiny_model_dir, config)
+    metrics = result["metrics"]
+    assert metrics["train/objective"] == pytest.approx(sum(loss for loss, _ in plain) / 2, abs=1e-6)
+    assert metrics["train/grad_norm"] == pytest.approx(sum(norm for _, norm in plain) / 2, rel=1e-4)
+    # a step with a signal (the objective itself may be 0: at ratio 1 GSPO's two minibatch losses cancel here)
+    assert metrics["train/grad_norm"] > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("objective", "world_size", "message"),
+    [
+        ("NaNLoss", 2, r"objective user_objectives:NaNLoss: policy loss \(3, \d+\) is nan at row 0 token \d+"),
+        ("DetachedLoss", 1, r"objective user_objectives:DetachedLoss: the policy loss \(6, \d+\) has no gradient"),
+        (
+            "WrongShapeAdvantages",
+            1,
+            r"objective user_objectives:WrongShapeAdvantages: advantages have shape \(7,\); expected \(6,\)",
+        ),
+    ],
+)
+def test_a_user_objective_returning_nonsense_fails_before_the_optimizer_steps(
+    objective, world_size, message, tiny_model_dir, tmp_path
+):
+    spec = {"algorithm": {"name": f"user_objectives:{objective}"}, "expect_error": True}
+    result = run_ranks(tiny_model_dir, world_size, tmp_path, mode="json:" + json.dumps(spec))
+    assert re.search(message, result["error"]), result["error"]
+    for key, tensor in result["initial"].items():
+        assert torch.equal(result["after"][key], tensor), key  # no optimizer step happened

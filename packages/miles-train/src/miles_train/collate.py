@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +45,14 @@ def token_logprobs(
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, collated: Collated, temperature: float = 1.0, with_entropy: bool = False
+    logits: torch.Tensor,
+    collated: Collated,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """From [B, T, V] logits: the logprob of each next token [B, T-1] (and the policy entropy per
-    position, without grad)."""
+    position: without grad unless `entropy_grad`, for an entropy bonus)."""
     logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -55,7 +60,7 @@ def logprobs_from_logits(
     logprobs = logprobs_all.gather(-1, collated.targets[..., None]).squeeze(-1)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
     return logprobs, entropy
 

@@ -70,12 +70,21 @@ class OptimizerConfig(_Strict):
 
 
 class GRPOConfig(_Strict):
-    """Group-normalised advantages with a clipped ratio loss (token-mean aggregation)."""
+    """The clipped-ratio loss settings every algorithm shares (the name is the first wave's, when GRPO was the only
+    objective): clipping, the KL weight, minibatches, and the corrections for off-policy and mismatched rollouts.
+    What the objective is (advantages, loss, aggregation) is `train.algorithm`."""
 
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip; None uses clip_eps.")
-    normalize_std: bool = Field(True, description="Divide advantages by the group's standard deviation.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference (0 = no reference).")
+    normalize_std: bool = Field(
+        True, description="grpo: divide advantages by the group's standard deviation (the other algorithms ignore it)."
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the KL to the frozen reference (train.algorithm.kl_estimator, in the loss or the "
+        "reward: kl_in_reward); 0 = no reference model.",
+    )
     old_logprobs: Literal["auto", "rollout", "recompute"] = Field(
         "auto",
         description="Behaviour logprobs of the ratio's denominator: the engine's (rollout), or recomputed by the "
@@ -84,7 +93,9 @@ class GRPOConfig(_Strict):
         "(a bf16 checkpoint) or tis_cap is set, rollout otherwise.",
     )
     num_minibatches: int = Field(1, ge=1, description="Optimizer steps per batch.")
-    loss_aggregation: Literal["token_mean"] = "token_mean"
+    loss_aggregation: Literal["token_mean"] = Field(
+        "token_mean", description="Kept for stored specs; the aggregation is train.algorithm.aggregation."
+    )
     mis_band: tuple[float, float] | None = Field(
         None,
         description="Masked importance sampling: tokens whose ratio π_old/π_rollout falls outside [low, high] get "
@@ -133,6 +144,78 @@ class GRPOConfig(_Strict):
         return self.tis_cap is not None or self.mis_band is not None
 
 
+ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+class AlgorithmConfig(_Strict):
+    """The objective: how advantages are estimated, the policy loss, and how per-token losses are aggregated.
+
+    The clipped-ratio settings every algorithm shares (clip_eps, clip_eps_high, kl_coef, the off-policy corrections,
+    num_minibatches) stay in `train.grpo`, the name they had when GRPO was the only objective."""
+
+    name: str = Field(
+        "grpo",
+        description="A built-in (grpo: group mean and std; dr_grpo: group mean, no std, sequence-sum aggregation; "
+        "gspo: sequence-level ratio and clipping; rloo: leave-one-out baseline; reinforce_pp: REINFORCE++ with "
+        "token returns normalised over the global batch and the KL in the reward; reinforce_pp_baseline: the same "
+        "after subtracting each group's mean reward), or a dotted path `package.module:Name` to a user objective "
+        "class with the same contract (miles_train.objectives.Objective).",
+    )
+    aggregation: Aggregation | None = Field(
+        None,
+        description="How per-token losses become one loss: token_mean (every token of the minibatch weighs the same), "
+        "seq_mean_token_mean (each sequence's token mean, averaged over sequences), seq_mean_token_sum (each "
+        "sequence's token sum, averaged over sequences). Denominators count the whole minibatch on every rank, so a "
+        "split batch gives the unsplit loss. None: the algorithm's own (token_mean; dr_grpo seq_mean_token_sum; gspo "
+        "seq_mean_token_mean).",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="Estimator of KL(π‖π_ref) per token, Δ = log π_ref − log π: k1 = −Δ, k2 = Δ²/2, "
+        "k3 = e^Δ − Δ − 1. Weighted by train.grpo.kl_coef (0: no reference model, no KL).",
+    )
+    kl_in_reward: bool | None = Field(
+        None,
+        description="Put the KL into the reward (computed from the old policy, no gradient) instead of the loss: "
+        "each sequence's reward loses kl_coef × its summed KL (reinforce_pp: each token's reward loses kl_coef × its "
+        "KL). None: the algorithm's own (true for reinforce_pp and reinforce_pp_baseline, false otherwise).",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus: the loss loses entropy_coef × the policy's per-token entropy."
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1,
+        description="Dual-clip PPO: for negative advantages the loss is capped at dual_clip × |A| (a large ratio on "
+        "a bad sample cannot blow up the update). None: off.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for a user objective's constructor (built-ins take none)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known_or_dotted(cls, value: str) -> str:
+        if value in ALGORITHMS:
+            return value
+        module, _, attr = value.partition(":") if ":" in value else value.rpartition(".")
+        if not module or not attr.isidentifier():
+            raise ValueError(
+                f"unknown algorithm {value!r}: choose one of {', '.join(ALGORITHMS)}, or give a dotted path "
+                "'package.module:Name' to your own objective"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _options_for_plugins(self) -> AlgorithmConfig:
+        if self.options and self.name in ALGORITHMS:
+            raise ValueError(
+                f"options: the built-in algorithm {self.name} takes no options (got {sorted(self.options)})"
+            )
+        return self
+
+
 class TrainConfig(_Strict):
     backend: BackendConfig = Field(
         default_factory=FSDP2Config,
@@ -163,6 +246,11 @@ class TrainConfig(_Strict):
     quant_group_size: int = Field(128, gt=0, description="quantization: int4's group along the input dimension.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig,
+        description="The objective (advantages, policy loss, aggregation): a mapping, or just the algorithm's name "
+        "(`algorithm: gspo`).",
+    )
     policy_weights: Literal["auto", "master", "pushed"] = Field(
         "auto",
         description="The weights the trainer's forward passes use. pushed: the master weights rounded to the dtype "
@@ -198,6 +286,11 @@ class TrainConfig(_Strict):
                 "int4 or mxfp8 (row-local scales) with backend megatron, or backend fsdp2 / torchtitan"
             )
         return self
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _algorithm_name_alone(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
 
     @field_validator("backend", mode="before")
     @classmethod

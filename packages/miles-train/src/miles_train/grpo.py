@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
+
+from miles_train.objectives import group_baseline_advantages
 
 
 def group_advantages(
     rewards: list[float], group_index: list[int], normalize_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
-    """A_i = (r_i − mean of its group) [/ (std of its group + eps)], one value per sample.
+    """A_i = (r_i − mean of its group) [/ (std of its group + eps)], one value per sample (float32).
 
-    The std is the unbiased sample std (as `torch.std`); a group of one sample gets advantage 0.
+    The std is the unbiased sample std (as `torch.std`); a group of one sample, or one whose rewards are all equal,
+    gets advantage exactly 0. The GRPO objective's estimator (`miles_train.objectives`), kept under its first name.
     """
-    r = torch.tensor(rewards, dtype=torch.float32)
-    advantages = torch.zeros_like(r)
-    members: dict[int, list[int]] = defaultdict(list)
-    for i, g in enumerate(group_index):
-        members[g].append(i)
-    for rows in members.values():
-        if len(rows) < 2:
-            continue
-        idx = torch.tensor(rows)
-        centred = r[idx] - r[idx].mean()
-        advantages[idx] = centred / (r[idx].std() + eps) if normalize_std else centred
-    return advantages
+    mode = "std" if normalize_std else "mean"
+    return group_baseline_advantages(rewards, group_index, mode, eps).float()
 
 
 def clipped_policy_loss(

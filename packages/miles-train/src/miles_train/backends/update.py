@@ -1,9 +1,10 @@
-"""What every backend shares: the GRPO update over minibatches, data-parallel row split, metrics.
+"""What every backend shares: the policy update over minibatches, data-parallel row split, metrics.
 
 A backend subclasses `GRPOBackend` and supplies the model-specific parts: the policy's logits,
 backward + optimizer step (returning the gradient norm), and how its gradient reduction scales the
-loss. Everything numerical about GRPO (advantages, ratio clipping, TIS, staleness, KL, token-mean
-aggregation over the global batch) is written once here, so the backends cannot drift apart.
+loss. Everything numerical about the update (the objective's advantages and policy loss, TIS, MIS,
+staleness, KL, entropy bonus, aggregation over the global minibatch) is written once here, so the
+backends cannot drift apart.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ import torch.distributed as dist
 from miles_train.backends.distributed import DistributedGroup
 from miles_train.collate import Collated, collate, logprobs_from_logits, unpad_response
 from miles_train.config import TrainConfig
-from miles_train.grpo import (
-    clipped_policy_loss,
-    group_advantages,
-    kl_k3,
-    masked_is_weights,
-    staleness_weights,
-    token_mean,
-    truncated_is_weights,
+from miles_train.grpo import masked_is_weights, staleness_weights, truncated_is_weights
+from miles_train.objectives import (
+    BUILTINS,
+    AdvantageInputs,
+    LossInputs,
+    aggregate,
+    build_objective,
+    check_advantages,
+    check_loss,
+    denominators,
+    kl_estimate,
 )
 from miles_train.types import TrainBatch
 
@@ -45,7 +49,7 @@ METRIC_SUMS = (
     "tis_clipfrac",
     "mis_dropfrac",
     "mismatch_k3",
-)
+)  # summed over trained tokens and divided by their number; train/objective is the aggregated loss itself
 
 
 class GRPOBackend:
@@ -81,6 +85,11 @@ class GRPOBackend:
         self.pad_token_id = 0
         self.step = 0
         self._diffs: list[torch.Tensor] = []  # |trainer − engine| logprob of the tokens of the current train_step
+        self.objective = build_objective(config.algorithm)
+        algorithm = config.algorithm
+        self.aggregation = algorithm.aggregation or self.objective.aggregation
+        self.kl_in_reward = self.objective.kl_in_reward if algorithm.kl_in_reward is None else algorithm.kl_in_reward
+        self._check_values = algorithm.name not in BUILTINS  # a user objective's values are checked every step
         self.set_push_dtype(None)
 
     push_dtype: torch.dtype | None = None  # what the engines hold, when a push rounds the master weights
@@ -233,8 +242,10 @@ class GRPOBackend:
     def _my_rows(self, num_rows: int) -> list[int]:
         return list(range(self.dp_rank, num_rows, self.dp_size))
 
-    def _token_logprobs(self, model: Any, c: Collated, temperature: float, with_entropy: bool = False):
-        return logprobs_from_logits(self._logits(model, c), c, temperature, with_entropy)
+    def _token_logprobs(
+        self, model: Any, c: Collated, temperature: float, with_entropy: bool = False, entropy_grad: bool = False
+    ):
+        return logprobs_from_logits(self._logits(model, c), c, temperature, with_entropy, entropy_grad)
 
     def _collate(self, batch: TrainBatch) -> Collated:
         c = collate(batch, self.pad_token_id)
@@ -248,6 +259,25 @@ class GRPOBackend:
         dist.all_reduce(t, op=op, group=self._dp_group())
         return t.tolist()
 
+    def _advantages(self, batch: TrainBatch, old_logprobs: torch.Tensor | None) -> torch.Tensor:
+        """[B, W] advantages of the whole batch from the objective (checked), W the batch's padded width − 1."""
+        algorithm, kl_coef = self.config.algorithm, self.config.grpo.kl_coef
+        mask = collate(batch, self.pad_token_id).loss_mask
+        penalty = None
+        if self.kl_in_reward and self.reference is not None:  # the KL of the samples under the behaviour policy
+            old = old_logprobs if old_logprobs is not None else collate(batch, self.pad_token_id).rollout_logprobs
+            ref = self._padded_logprobs(batch, model=self.reference)
+            penalty = kl_coef * kl_estimate(old, ref, algorithm.kl_estimator) * mask
+        inputs = AdvantageInputs(
+            rewards=torch.tensor(batch.rewards, dtype=torch.float64),
+            group_index=list(batch.group_index),
+            mask=mask,
+            kl_penalty=penalty,
+            normalize_std=self.config.grpo.normalize_std,
+        )
+        value = self.objective.advantages(inputs)
+        return check_advantages(algorithm.name, value, len(batch), mask.shape[1], mask)
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         grpo = self.config.grpo
         if len(batch) < grpo.num_minibatches * self.dp_size:
@@ -255,7 +285,6 @@ class GRPOBackend:
                 f"{self.name}: a batch of {len(batch)} samples cannot give each of {self.dp_size} data-parallel "
                 f"ranks a row in each of {grpo.num_minibatches} minibatches"
             )
-        advantages = group_advantages(batch.rewards, batch.group_index, grpo.normalize_std)
         minibatches = [list(range(len(batch)))[m :: grpo.num_minibatches] for m in range(grpo.num_minibatches)]
         sums = dict.fromkeys(METRIC_SUMS, 0.0)
         tis_max = 0.0
@@ -264,30 +293,35 @@ class GRPOBackend:
         grad_norms = []
         # The ratio's denominator is the policy the engines ran: the weights as pushed, whatever the forward uses.
         old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
+        advantages = self._advantages(batch, old_logprobs)
         before = [p.detach().clone() for p in self._param_shards()] if self.push_dtype is not None else None
         skips = self.overflow_skips
         self._diffs = []  # |trainer − engine| logprob of every token, for the p99
+        objective = 0.0  # this rank's part of the aggregated loss, summed over minibatches
         for rows in minibatches:
-            # Token count of this minibatch over all ranks: the denominator of the token mean.
-            num_tokens = float(sum(sum(batch.loss_mask[i]) for i in rows))
+            # Counts of this minibatch over all ranks: the denominators of the aggregation.
+            counts = denominators([batch.loss_mask[i] for i in rows])
             local = [rows[i] for i in self._my_rows(len(rows))]
             c = self._collate(batch.select(local))
             with self._weights_for_forward():
-                part = self._minibatch_loss(batch, c, local, num_tokens, advantages, sample_weights, old_logprobs)
+                part = self._minibatch_loss(batch, c, local, counts, advantages, sample_weights, old_logprobs)
             norm = self._step_optimizer()
             self._zero_grad()
             if norm is not None:
                 grad_norms.append(norm)
             tis_max = max(tis_max, part.pop("tis_max"))
+            objective += part.pop("objective")
             for key, value in part.items():
                 sums[key] += value
         total_tokens = float(batch.num_response_tokens)
-        reduced = self._all_reduce(list(sums.values()))
+        *reduced, objective = self._all_reduce([*sums.values(), objective])
         self.step += 1
         metrics = {f"train/{k}": v / max(total_tokens, 1.0) for k, v in zip(sums, reduced, strict=True)}
+        metrics["train/objective"] = objective / len(minibatches)
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         metrics["train/num_tokens"] = total_tokens
-        metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
+        full_mask = collate(batch, self.pad_token_id).loss_mask
+        metrics["train/advantage_abs_mean"] = float((advantages.abs() * full_mask).sum() / full_mask.sum().clamp(min=1))
         metrics["train/tis_max"] = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]
         metrics["train/sample_weight_mean"] = float(sample_weights.mean())
         metrics["train/logprob_diff_p99"] = self._quantile(self._diffs, 0.99)
@@ -302,21 +336,35 @@ class GRPOBackend:
         batch: TrainBatch,
         c: Collated,
         local: list[int],
-        num_tokens: float,
+        counts: tuple[float, float],
         advantages: torch.Tensor,
         sample_weights: torch.Tensor,
         old_logprobs: torch.Tensor | None,
     ) -> dict[str, float]:
-        """Forward and backward of this rank's rows of one minibatch; the masked metric sums (and tis_max)."""
-        grpo = self.config.grpo
+        """Forward and backward of this rank's rows of one minibatch; the masked metric sums, tis_max and this rank's
+        part of the aggregated loss (`objective`)."""
+        grpo, algorithm = self.config.grpo, self.config.algorithm
         tis_max = 0.0
-        logprobs, entropy = self._token_logprobs(self.model, c, batch.temperature, with_entropy=True)
-        if old_logprobs is None:
-            old = c.rollout_logprobs
-        else:  # the whole batch is padded wider than this rank's part: trim the right padding
-            old = old_logprobs[local][:, : c.loss_mask.shape[1]].to(self.device)
-        adv = advantages[local].to(self.device)[:, None].expand_as(logprobs)
-        pg, ratio, clipped = clipped_policy_loss(logprobs, old, adv, grpo.clip_eps, grpo.clip_eps_high)
+        bonus = algorithm.entropy_coef > 0
+        logprobs, entropy = self._token_logprobs(
+            self.model, c, batch.temperature, with_entropy=True, entropy_grad=bonus
+        )
+        assert entropy is not None
+        width = c.loss_mask.shape[1]  # the whole batch is padded wider than this rank's part: trim the right padding
+        old = c.rollout_logprobs if old_logprobs is None else old_logprobs[local][:, :width].to(self.device)
+        inputs = LossInputs(
+            logprobs=logprobs,
+            old_logprobs=old.detach(),
+            advantages=advantages[local][:, :width].to(self.device),
+            mask=c.loss_mask,
+            clip_low=grpo.clip_eps,
+            clip_high=grpo.clip_eps if grpo.clip_eps_high is None else grpo.clip_eps_high,
+            dual_clip=algorithm.dual_clip,
+        )
+        result = self.objective.policy_loss(inputs)
+        pg = check_loss(algorithm.name, result, logprobs, c.loss_mask, self._check_values)
+        clipped = result[1]
+        ratio = torch.exp(logprobs - old).detach()
         tis = torch.ones_like(pg)
         truncated = torch.zeros_like(pg, dtype=torch.bool)
         if grpo.tis_cap is not None:  # old = the trainer's recomputed old-policy logprobs
@@ -333,12 +381,15 @@ class GRPOBackend:
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs, _ = self._token_logprobs(self.reference, c, batch.temperature)
-            kl = kl_k3(logprobs, ref_logprobs)
-            per_token = per_token + grpo.kl_coef * kl
-        loss = token_mean(per_token, c.loss_mask, num_tokens) * self.loss_scale
-        self._backward(loss)
+            kl = kl_estimate(logprobs, ref_logprobs, algorithm.kl_estimator)
+            if not self.kl_in_reward:
+                per_token = per_token + grpo.kl_coef * kl
+        if bonus:
+            per_token = per_token - algorithm.entropy_coef * entropy
+        loss = aggregate(per_token, c.loss_mask, self.aggregation, *counts)
+        self._backward(loss * self.loss_scale)
         m = c.loss_mask
-        sums = {"tis_max": tis_max}
+        sums = {"tis_max": tis_max, "objective": float(loss.detach())}
         diff = (logprobs - c.rollout_logprobs).detach()
         self._diffs.append(diff.abs()[m.bool()].cpu())
         with torch.no_grad():
@@ -356,7 +407,7 @@ class GRPOBackend:
                 # k3 estimate of KL(engine ‖ trainer) from the engine's samples: r − 1 − log r, r = π_trainer/π_engine
                 ("mismatch_k3", diff.exp() - 1 - diff),
             ):
-                sums[key] = float((value * m).sum())
+                sums[key] = float((value.detach() * m).sum())
         return sums
 
     def _quantile(self, parts: list[torch.Tensor], q: float) -> float:
@@ -367,12 +418,16 @@ class GRPOBackend:
         return float(torch.quantile(values.double(), q)) if values.numel() else 0.0
 
     @torch.no_grad()
-    def _padded_logprobs(self, batch: TrainBatch, as_pushed: bool | None = None) -> torch.Tensor:
+    def _padded_logprobs(self, batch: TrainBatch, as_pushed: bool | None = None, model: Any = None) -> torch.Tensor:
         """Logprobs of the whole batch, [B, T-1], identical on every rank: under the weights the forward uses,
-        or (`as_pushed`) under the weights as pushed."""
+        or (`as_pushed`) under the weights as pushed; or under `model` (the reference) as it is."""
         rows = self._my_rows(len(batch))
-        with self._weights_as_pushed() if as_pushed else self._weights_for_forward():
-            logprobs, _ = self._token_logprobs(self.model, self._collate(batch.select(rows)), batch.temperature)
+        if model is not None:
+            weights: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        else:
+            model, weights = self.model, self._weights_as_pushed() if as_pushed else self._weights_for_forward()
+        with weights:
+            logprobs, _ = self._token_logprobs(model, self._collate(batch.select(rows)), batch.temperature)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (rows, logprobs.cpu()))  # tensor-parallel peers send the same rows
         width = max(len(ids) for ids in batch.input_ids) - 1

@@ -1,0 +1,339 @@
+"""Objectives: advantage estimation, policy loss and loss aggregation, one plug-in per algorithm.
+
+`train.algorithm.name` picks a built-in or a user class named by a dotted path; every trainer backend runs it in
+the same shared update (`backends/update.py`), which adds what every algorithm shares around it: truncated or
+masked importance sampling, staleness weights, the KL to the reference (in the loss, or in the reward where the
+algorithm or `kl_in_reward` says so), the entropy bonus, and the aggregation of per-token losses over the global
+minibatch.
+
+The contract of an objective (subclass `Objective`; built-ins are subclasses too):
+- `advantages(inputs: AdvantageInputs) -> Tensor`: for the whole batch (every rank sees every group), either one
+  value per sample, shape [B], or one per token, shape [B, W] aligned with `inputs.mask`.
+- `policy_loss(inputs: LossInputs) -> (loss, clipped)`: per-token losses [b, W] with a gradient to
+  `inputs.logprobs`, and where the clip bit (bool [b, W], for the clip fraction).
+- class attributes `name`, `aggregation` (its default) and `kl_in_reward` (its default).
+The update checks what a user objective returns (shape, finite values under the mask, a gradient) and fails
+naming the objective and the offending tensor before any optimizer step.
+
+Formulas, with ρ = π/π_old per token, A the advantage and groups of G samples of one prompt:
+- grpo (Shao et al. 2024): A = (r − mean_g r) / (std_g r + ε), the unbiased std; clipped ρ; token mean.
+- dr_grpo (Liu et al. 2025, "Understanding R1-Zero-like training"): A = r − mean_g r; sequence-sum aggregation.
+- gspo (Zheng et al. 2025): s = exp(mean over the response of log ρ), clipped at the sequence level,
+  loss −min(sA, clip(s)A) per sequence, averaged over sequences.
+- rloo (Ahmadian et al. 2024): A = r − mean of the group's other rewards = G/(G−1) (r − mean_g r).
+- reinforce_pp (Hu 2025, REINFORCE++): token reward −β·KL_t with the sequence's reward added at its last token,
+  return G_t = Σ_{s≥t} reward_s, A = (G_t − mean) / (std + ε) over every token of the global batch.
+  reinforce_pp_baseline subtracts each group's mean reward before the returns.
+Groups of one sample, and groups (or batches, for reinforce_pp) whose values all agree, get advantages of exactly 0.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from miles_train.config import ALGORITHMS, AlgorithmConfig
+
+EPS = 1e-6
+
+
+# ---- pure functions ------------------------------------------------------------------------------------------
+def _groups(group_index: list[int]) -> list[list[int]]:
+    members: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_index):
+        members[g].append(i)
+    return list(members.values())
+
+
+def group_baseline_advantages(
+    rewards: torch.Tensor | list[float], group_index: list[int], mode: str, eps: float = EPS
+) -> torch.Tensor:
+    """Per-sample advantages from the group's rewards, in float64: `std` (r − mean)/(std + eps), `mean` r − mean,
+    `leave_one_out` r − mean of the others. A group of one, or one whose rewards are all equal, gives exactly 0
+    (rounding in the mean of 0.7 × 8 would otherwise leave a spurious ±1e-8, which `std` would magnify)."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    out = torch.zeros_like(r)
+    for rows in _groups(group_index):
+        idx = torch.tensor(rows)
+        values = r[idx]
+        if len(rows) < 2 or bool((values == values[0]).all()):
+            continue
+        centred = values - values.mean()
+        if mode == "std":
+            out[idx] = centred / (values.std() + eps)
+        elif mode == "mean":
+            out[idx] = centred
+        elif mode == "leave_one_out":
+            out[idx] = centred * len(rows) / (len(rows) - 1)
+        else:
+            raise ValueError(f"unknown group baseline {mode!r}")
+    return out
+
+
+def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, W] per-token rewards: −kl_penalty on every trained token, plus the sequence's reward at its last one."""
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    if kl_penalty is not None:
+        out -= kl_penalty.double() * mask
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask.bool(), positions, -1).max(dim=1).values
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] += rewards.double()[rows]
+    return out
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """G_t = Σ_{s ≥ t} reward_s over the trained tokens (γ = 1), 0 elsewhere."""
+    masked = rewards * mask
+    return masked.flip(1).cumsum(1).flip(1) * mask
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """(v − mean) / (std + eps) over the masked entries (unbiased std), 0 elsewhere; exactly 0 when they all agree."""
+    chosen = values[mask.bool()]
+    if chosen.numel() < 2 or bool((chosen == chosen[0]).all()):
+        return torch.zeros_like(values)
+    return (values - chosen.mean()) / (chosen.std() + eps) * mask
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(π‖π_ref) from samples of π, with Δ = log π_ref − log π (Schulman's k1, k2, k3):
+    k1 = −Δ (unbiased, can be negative), k2 = Δ²/2, k3 = e^Δ − Δ − 1 (unbiased, ≥ 0)."""
+    delta = ref_logprobs - logprobs
+    if kind == "k1":
+        return -delta
+    if kind == "k2":
+        return 0.5 * delta.square()
+    if kind == "k3":
+        return torch.exp(delta) - delta - 1.0
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def ppo_clip(
+    ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float, dual_clip: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """−min(ρA, clip(ρ, 1−low, 1+high)A), and for A < 0 with dual clip c at most −cA (Ye et al. 2020); the loss and
+    where the clip bit (either clip)."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    bit = clipped < unclipped
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        bit = bit | dual
+    return loss, bit
+
+
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[b] mean over each sequence's trained tokens of log π − log π_old (GSPO's length-normalised log ratio)."""
+    return ((logprobs - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: float, num_sequences: float
+) -> torch.Tensor:
+    """One loss from per-token losses [b, W]. `num_tokens` / `num_sequences` count the whole minibatch on every rank
+    (sequences with at least one trained token), so the sum of each rank's result is the loss of the unsplit batch."""
+    masked = per_token * mask
+    if mode == "token_mean":
+        return masked.sum() / max(num_tokens, 1.0)
+    per_sequence = masked.sum(1)
+    if mode == "seq_mean_token_mean":
+        per_sequence = per_sequence / mask.sum(1).clamp(min=1.0)
+    elif mode != "seq_mean_token_sum":
+        raise ValueError(f"unknown aggregation {mode!r}")
+    return per_sequence.sum() / max(num_sequences, 1.0)
+
+
+def denominators(loss_masks: list[list[int]]) -> tuple[float, float]:
+    """(trained tokens, sequences with at least one trained token) of a minibatch's rows."""
+    counts = [sum(m) for m in loss_masks]
+    return float(sum(counts)), float(sum(1 for n in counts if n > 0))
+
+
+# ---- the contract --------------------------------------------------------------------------------------------
+@dataclass
+class AdvantageInputs:
+    """What an objective estimates advantages from: the whole batch, identical on every rank."""
+
+    rewards: torch.Tensor  # [B] float64, as scored
+    group_index: list[int]  # [B]: samples of one prompt share a value
+    mask: torch.Tensor  # [B, W] float: 1 on trained response tokens (W: the batch's padded width − 1)
+    kl_penalty: torch.Tensor | None  # [B, W] kl_coef × KL estimate of each token under the old policy, when in reward
+    normalize_std: bool = True  # train.grpo.normalize_std (grpo's)
+
+    def sequence_rewards(self) -> torch.Tensor:
+        """Rewards less each sequence's summed KL penalty (when the KL is in the reward)."""
+        if self.kl_penalty is None:
+            return self.rewards
+        return self.rewards - (self.kl_penalty.double() * self.mask).sum(1)
+
+
+@dataclass
+class LossInputs:
+    """What an objective computes the per-token policy loss from: this rank's rows of one minibatch."""
+
+    logprobs: torch.Tensor  # [b, W] under the current policy, with gradient
+    old_logprobs: torch.Tensor  # [b, W] of the behaviour policy (the ratio's denominator), no gradient
+    advantages: torch.Tensor  # [b, W] per token (a per-sample estimate broadcast over its tokens)
+    mask: torch.Tensor  # [b, W] float
+    clip_low: float  # train.grpo.clip_eps
+    clip_high: float  # train.grpo.clip_eps_high, else clip_eps
+    dual_clip: float | None = None
+
+
+class Objective:
+    """Base of every objective: the token-level clipped ratio loss, group advantages normalised by the std."""
+
+    name: ClassVar[str] = "objective"
+    aggregation: ClassVar[str] = "token_mean"
+    kl_in_reward: ClassVar[bool] = False
+
+    def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def policy_loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
+        return ppo_clip(ratio, inputs.advantages, inputs.clip_low, inputs.clip_high, inputs.dual_clip)
+
+
+class GRPO(Objective):
+    name = "grpo"
+
+    def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
+        mode = "std" if inputs.normalize_std else "mean"
+        return group_baseline_advantages(inputs.sequence_rewards(), inputs.group_index, mode)
+
+
+class DrGRPO(Objective):
+    name = "dr_grpo"
+    aggregation = "seq_mean_token_sum"
+
+    def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
+        return group_baseline_advantages(inputs.sequence_rewards(), inputs.group_index, "mean")
+
+
+class RLOO(Objective):
+    name = "rloo"
+
+    def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
+        return group_baseline_advantages(inputs.sequence_rewards(), inputs.group_index, "leave_one_out")
+
+
+class GSPO(GRPO):
+    """Group-normalised advantages (as grpo), the importance ratio and its clipping per sequence: every token of a
+    sequence carries the sequence's loss, and seq_mean_token_mean makes it one term per sequence."""
+
+    name = "gspo"
+    aggregation = "seq_mean_token_mean"
+
+    def policy_loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        ratio = torch.exp(sequence_log_ratio(inputs.logprobs, inputs.old_logprobs, inputs.mask))
+        # a sequence's advantage is the same on each of its tokens: take it from the first trained one
+        first = torch.argmax(inputs.mask, dim=1, keepdim=True)
+        adv = inputs.advantages.gather(1, first).squeeze(1)
+        loss, bit = ppo_clip(ratio, adv, inputs.clip_low, inputs.clip_high, inputs.dual_clip)
+        return loss[:, None].expand_as(inputs.logprobs), bit[:, None].expand_as(inputs.logprobs)
+
+
+class ReinforcePP(Objective):
+    name = "reinforce_pp"
+    kl_in_reward = True
+    group_baseline = False
+
+    def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
+        rewards = inputs.rewards.double()
+        if self.group_baseline:
+            rewards = group_baseline_advantages(rewards, inputs.group_index, "mean")
+        returns = returns_to_go(token_rewards(rewards, inputs.mask, inputs.kl_penalty), inputs.mask)
+        return whiten(returns, inputs.mask)
+
+
+class ReinforcePPBaseline(ReinforcePP):
+    name = "reinforce_pp_baseline"
+    group_baseline = True
+
+
+BUILTINS: dict[str, type[Objective]] = {
+    cls.name: cls for cls in (GRPO, DrGRPO, GSPO, RLOO, ReinforcePP, ReinforcePPBaseline)
+}
+assert set(BUILTINS) == set(ALGORITHMS), "config.ALGORITHMS lists the built-ins"
+
+
+def build_objective(config: AlgorithmConfig) -> Objective:
+    """The objective `config.name` names, constructed with `config.options`; ValueError naming what is wrong."""
+    if config.name in BUILTINS:
+        return BUILTINS[config.name]()
+    from miles_sync.plugins import resolve_dotted
+
+    target: Any = resolve_dotted(config.name)
+    if not (isinstance(target, type) and issubclass(target, Objective)):
+        raise ValueError(
+            f"train.algorithm.name: {config.name!r} is not a subclass of miles_train.objectives.Objective "
+            f"(got {target!r})"
+        )
+    try:
+        objective = target(**config.options)
+    except TypeError as exc:
+        raise ValueError(f"train.algorithm.options: {config.name} does not take {config.options}: {exc}") from None
+    from miles_train.config import Aggregation
+
+    allowed = Aggregation.__args__  # type: ignore[attr-defined]
+    if objective.aggregation not in allowed:
+        raise ValueError(
+            f"objective {config.name}: aggregation {objective.aggregation!r} is not one of {', '.join(allowed)}"
+        )
+    return objective
+
+
+class ObjectiveError(ValueError):
+    """What an objective returned cannot be trained on; raised before the optimizer steps."""
+
+
+def check_advantages(name: str, value: Any, batch_size: int, width: int, mask: torch.Tensor) -> torch.Tensor:
+    """The advantages as [B, W] float32 (a per-sample estimate broadcast), or ObjectiveError naming the problem."""
+    if not isinstance(value, torch.Tensor):
+        raise ObjectiveError(f"objective {name}: advantages must be a tensor, got {type(value).__name__}")
+    if tuple(value.shape) == (batch_size,):
+        value = value[:, None].expand(batch_size, width)
+    elif tuple(value.shape) != (batch_size, width):
+        raise ObjectiveError(
+            f"objective {name}: advantages have shape {tuple(value.shape)}; expected ({batch_size},) per sample or "
+            f"({batch_size}, {width}) per token"
+        )
+    bad = ~torch.isfinite(value) & mask.bool()
+    if bad.any():
+        row, col = (int(i) for i in torch.nonzero(bad)[0])
+        raise ObjectiveError(f"objective {name}: advantage of sample {row} token {col} is {float(value[row, col])}")
+    return value.float()
+
+
+def check_loss(name: str, value: Any, logprobs: torch.Tensor, mask: torch.Tensor, values: bool) -> torch.Tensor:
+    """The per-token loss of `policy_loss`, or ObjectiveError: shape, a gradient, and (`values`) finite values."""
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise ObjectiveError(f"objective {name}: policy_loss must return (per-token loss, clipped), got {value!r:.80}")
+    loss, clipped = value
+    if not isinstance(loss, torch.Tensor) or loss.shape != logprobs.shape:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ObjectiveError(f"objective {name}: policy loss has shape {shape}; expected {tuple(logprobs.shape)}")
+    if not isinstance(clipped, torch.Tensor) or clipped.shape != logprobs.shape:
+        shape = tuple(clipped.shape) if isinstance(clipped, torch.Tensor) else type(clipped).__name__
+        raise ObjectiveError(f"objective {name}: clipped has shape {shape}; expected {tuple(logprobs.shape)}")
+    if not loss.requires_grad:
+        raise ObjectiveError(
+            f"objective {name}: the policy loss {tuple(loss.shape)} has no gradient (computed without the "
+            "logprobs, or under torch.no_grad)"
+        )
+    if values:
+        bad = ~torch.isfinite(loss.detach()) & mask.bool()
+        if bad.any():
+            row, col = (int(i) for i in torch.nonzero(bad)[0])
+            raise ObjectiveError(
+                f"objective {name}: policy loss {tuple(loss.shape)} is {float(loss[row, col])} at row {row} token {col}"
+            )
+    return loss
