@@ -293,6 +293,33 @@ def test_generate_functions_and_environments_over_the_api_are_of_allowed_modules
     assert field == "remote_reward" and "not accepted over the API" in msg
 
 
+def test_a_user_objective_over_the_api_is_a_class_of_an_allowed_module(tmp_path, monkeypatch):
+    """train.algorithm: a built-in, or a class of an allowed module read from its source, never imported."""
+    import sys
+
+    from miles_control.api.policy import check_spec
+    from miles_control.api.settings import ServerSettings
+    from miles_control.config import JobSpec
+
+    plugin = tmp_path / "plug"
+    (plugin / "algos").mkdir(parents=True)
+    (plugin / "algos" / "__init__.py").write_text("open(__file__ + '.imported', 'w').close()\n")
+    (plugin / "algos" / "mine.py").write_text("class Mine:\n    name = 'mine'\n")
+    monkeypatch.syspath_prepend(str(plugin))
+
+    def problems(algorithm: str, modules: list[str]) -> list[tuple[tuple, str]]:
+        spec = JobSpec.model_validate({"name": "x", "train": {"algorithm": algorithm}})
+        found = check_spec(spec, ServerSettings(plugin_modules=modules, cpus=4))[1]
+        return [(tuple(p["loc"][2:]), p["msg"]) for p in found]
+
+    assert problems("gspo", []) == [] and problems("algos.mine:Mine", ["algos"]) == []
+    [(loc, msg)] = problems("algos.mine:Mine", [])
+    assert loc == ("train", "algorithm", "name") and "unknown algorithm 'algos.mine:Mine': use one of grpo" in msg
+    [(loc, msg)] = problems("algos.mine:Other", ["algos"])
+    assert loc == ("train", "algorithm", "name") and "Other" in msg
+    assert not list(plugin.rglob("*.imported")) and "algos" not in sys.modules
+
+
 def test_limits_are_server_settings(monkeypatch):
     from miles_control.api.policy import check_spec
     from miles_control.api.settings import ServerSettings

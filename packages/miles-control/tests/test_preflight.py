@@ -132,6 +132,22 @@ def test_an_unresolvable_reward_is_named(llama32_bf16):
         check_job(spec(rollout={"engine": {"type": "hf"}, "reward": "nowhere_xyz:f"}), llama32_bf16)
 
 
+def test_a_user_objective_is_imported_and_built_before_the_job_starts(llama32_bf16, tmp_path, monkeypatch):
+    (tmp_path / "my_algos.py").write_text(
+        "from miles_train.objectives import GRPO\n\n"
+        "class Scaled(GRPO):\n    def __init__(self, scale):\n        self.scale = scale\n\n"
+        "class Plain:\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_job(spec(train={"algorithm": {"name": "my_algos:Scaled", "options": {"scale": 2}}}), llama32_bf16)
+    with pytest.raises(JobCheckError, match="train.algorithm: name: 'my_algos:Plain' is not a subclass of"):
+        check_job(spec(train={"algorithm": "my_algos:Plain"}), llama32_bf16)
+    with pytest.raises(JobCheckError, match=r"train.algorithm: options: my_algos:Scaled does not take \{\}"):
+        check_job(spec(train={"algorithm": {"name": "my_algos:Scaled"}}), llama32_bf16)
+    with pytest.raises(JobCheckError, match="train.algorithm: cannot import module 'no_such_module'"):
+        check_job(spec(train={"algorithm": "no_such_module:X"}), llama32_bf16)
+
+
 def test_episodes_are_checked_before_the_job_starts(llama32_bf16, monkeypatch):
     import sys
     import types

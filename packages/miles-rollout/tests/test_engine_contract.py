@@ -147,6 +147,18 @@ def test_pause_abort_ends_in_flight_requests(engine):
     assert after[0].finish_reason != FinishReason.ABORT
 
 
+def test_abort_requests_ends_those_requests_alone(engine):
+    """Dynamic sampling's surplus: the named requests end at once with what they generated, the others go on."""
+    worker, out = generate_in_background(engine, LONG)
+    asyncio.run(engine.abort_requests(["0", "2"]))
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    first, middle, last = out["r"]
+    assert first.finish_reason == last.finish_reason == FinishReason.ABORT
+    assert all(0 < len(r.output_ids) < 900 and len(r.output_logprobs) == len(r.output_ids) for r in (first, last))
+    assert middle.finish_reason == FinishReason.LENGTH and len(middle.output_ids) == 900
+
+
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_holds_requests_across_a_weight_push(engine, tiny_model_dir, tmp_path, mode):
     worker, out = generate_in_background(engine, LONG)

@@ -257,6 +257,50 @@ def bench_precision(
     console.print(f"report: {out / 'report.md'}")
 
 
+@bench_app.command("algorithms")
+def bench_algorithms(
+    config: Annotated[Path, typer.Argument(help="Job spec (YAML): the workload every algorithm runs.")],
+    out: Annotated[Path, typer.Option(help="Folder for report.md, the PNG plots and bench.db.")] = Path(
+        "bench-algorithms"
+    ),
+    steps: Annotated[int | None, typer.Option(min=1, help="Steps per algorithm (default: the spec's).")] = None,
+    algorithms: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated names: built-ins or dotted paths (default: every built-in)."),
+    ] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
+) -> None:
+    """Run the same workload under each algorithm (train.algorithm); write a report of held-out accuracy and reward
+    against steps and wall time, step time, and tokens generated per token trained."""
+    overrides = list(set_) + ([f"schedule.num_steps={steps}"] if steps else [])
+    spec = load_spec_or_exit(config, overrides)
+    import platform
+
+    from miles_control.bench_algorithms import report, run_algorithms
+    from miles_train.config import ALGORITHMS, AlgorithmConfig
+
+    logging.basicConfig(level=logging.WARNING)
+    names = tuple(n.strip() for n in algorithms.split(",") if n.strip()) if algorithms else ALGORITHMS
+    for name in names:
+        try:
+            AlgorithmConfig(name=name)
+        except ValueError as exc:
+            console.print(f"[bold red]error:[/] --algorithms: {exc}", highlight=False)
+            raise typer.Exit(2) from None
+
+    def on_job(name: str, job_id: int) -> None:
+        console.print(f"{name}: job {job_id} done", highlight=False)
+
+    try:
+        results = run_algorithms(spec, out, names, on_job)
+    except Exception as exc:  # noqa: BLE001
+        console.print(f"[bold red]bench failed:[/] {type(exc).__name__}: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    text = report(results, spec, f"{platform.machine()}, {os.cpu_count()} CPU cores", out)
+    console.print(text, markup=False, highlight=False)
+    console.print(f"report: {out / 'report.md'}")
+
+
 @bench_app.command("weights")
 def bench_weights(
     out: Annotated[Path, typer.Option(help="Folder for report.md.")] = Path("bench-weights"),

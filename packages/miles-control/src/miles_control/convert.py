@@ -37,14 +37,18 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     for s in samples:
         groups.setdefault(s.group_index, []).append(s.reward)
     rollout_time = sum(t.end - t.start for t in batch.timings if t.stage == "rollout")
-    return episode_metrics(batch) | {
-        "rollout/reward_mean": mean,
-        "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
-        "rollout/response_length": batch.num_response_tokens / len(samples),
-        "rollout/truncated_frac": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
-        "rollout/zero_std_group_frac": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
-        "rollout/tokens_per_s": batch.num_response_tokens / max(rollout_time, 1e-9),
-    }
+    return (
+        batch.metrics
+        | episode_metrics(batch)
+        | {
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+            "rollout/response_length": batch.num_response_tokens / len(samples),
+            "rollout/truncated_frac": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
+            "rollout/zero_std_group_frac": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
+            "rollout/tokens_per_s": batch.num_response_tokens / max(rollout_time, 1e-9),
+        }
+    )
 
 
 def episode_metrics(batch: RolloutBatch) -> dict[str, float]:

@@ -67,6 +67,12 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     except ValueError as exc:
         raise JobCheckError(f"rollout.reward: {exc}") from None
     check_episodes(spec, hf_config)
+    from miles_train.objectives import build_objective
+
+    try:  # a user objective imports and constructs here, in the driver, before any actor starts
+        build_objective(spec.train.algorithm)
+    except ValueError as exc:
+        raise JobCheckError(f"train.algorithm: {exc}") from None
     if spec.data.chat_template != "none" and prompts:
         from transformers import AutoTokenizer
 

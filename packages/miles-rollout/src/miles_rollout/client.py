@@ -10,18 +10,23 @@ concurrent calls (SGLang) gets each batch at once.
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from miles_rollout.episode import check_ids
 from miles_rollout.protocol import RolloutEngine
-from miles_rollout.types import GenerateRequest, GenerateResult, SamplingParams
+from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 
 class EngineClient:
     """The engine as rollout code sees it. `vocab_size`: ids at or above it are refused before they reach it."""
 
-    def __init__(self, engine: RolloutEngine, vocab_size: int | None = None) -> None:
+    def __init__(self, engine: RolloutEngine, vocab_size: int | None = None, batch_calls: bool = True) -> None:
+        """`batch_calls=False`: every request is its own `engine.generate` call, answered as soon as it is done (for
+        an engine that serves concurrent calls and batches them itself, as SGLang does: dynamic sampling judges each
+        group when its samples are in, not when the slowest request of the step is)."""
         self.engine = engine
         self.vocab_size = vocab_size
+        self.batch_calls = batch_calls
         self.num_calls = 0  # engine.generate calls made (batches), for tests and metrics
         limit = getattr(engine, "max_concurrent_calls", None)  # an engine without it: any number
         self._slots = asyncio.Semaphore(limit) if limit else None
@@ -29,6 +34,9 @@ class EngineClient:
         self._collector: asyncio.Task | None = None  # the task that will take `_pending` as its batch
         self._tasks: set[asyncio.Task] = set()
         self._count = 0
+        self._prefix = uuid.uuid4().hex[:8]  # request ids unique across clients of one engine (SGLang's rid)
+        self._in_flight: dict[str, asyncio.Future] = {}  # sent to the engine, not answered yet
+        self.num_aborted = 0  # requests ended by abort_outstanding()
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str = "") -> GenerateResult:
         """The engine's result for `input_ids` (its output ids, their logprobs, the finish reason, the weight
@@ -38,14 +46,34 @@ class EngineClient:
         if not input_ids:
             raise ValueError(f"{where} is empty")
         self._count += 1
-        request = GenerateRequest(list(input_ids), sampling, request_id=request_id or f"c{self._count}")
+        request = GenerateRequest(list(input_ids), sampling, request_id=f"{self._prefix}:{request_id or self._count}")
         future: asyncio.Future = asyncio.get_running_loop().create_future()
+        if not self.batch_calls:
+            return await self._alone(request, future)
         self._pending.append((request, future))
         if self._collector is None:
             self._collector = asyncio.ensure_future(self._call())
             self._tasks.add(self._collector)
             self._collector.add_done_callback(self._tasks.discard)
         return await future
+
+    async def _alone(self, request: GenerateRequest, future: asyncio.Future) -> GenerateResult:
+        """One request as its own engine call; `future` marks it answered (or aborted) for abort_outstanding."""
+        self._in_flight[request.request_id] = future
+        try:
+            if self._slots is not None:
+                async with self._slots:
+                    results = await self.engine.generate([request])
+            else:
+                results = await self.engine.generate([request])
+            self.num_calls += 1
+            if len(results) != 1:
+                raise RuntimeError(f"{self.engine.name} engine: {len(results)} results for 1 request")
+            return results[0]
+        finally:
+            self._in_flight.pop(request.request_id, None)
+            if not future.done():
+                future.set_result(None)
 
     async def _call(self) -> None:
         batch: list[tuple[GenerateRequest, asyncio.Future]] = []
@@ -54,6 +82,7 @@ class EngineClient:
         try:
             await asyncio.sleep(0)  # let the other coroutines that are ready submit their turn
             batch, self._pending, self._collector = self._pending, [], None
+            self._in_flight.update((request.request_id, future) for request, future in batch)
             results = await self.engine.generate([request for request, _ in batch])
             self.num_calls += 1
             if len(results) != len(batch):
@@ -68,7 +97,25 @@ class EngineClient:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            for request, _ in batch:
+                self._in_flight.pop(request.request_id, None)
             if self._collector is asyncio.current_task():  # cancelled before it took its batch
                 self._collector = None
             if self._slots is not None:
                 self._slots.release()
+
+    async def abort_outstanding(self) -> int:
+        """End every request not answered yet: those still waiting for a batch at once (no output, finish reason
+        `abort`), those in the engine through its `abort_requests` where it has one (SGLang's /abort_request, the hf
+        engine's per-request flag; they return what they generated so far, finish reason `abort`). Returns how many
+        requests were ended; their callers get the aborted results."""
+        waiting, self._pending = self._pending, []
+        for request, future in waiting:
+            if not future.done():
+                future.set_result(GenerateResult(request.request_id, [], [], FinishReason.ABORT, []))
+        running = [rid for rid, future in self._in_flight.items() if not future.done()]
+        abort = getattr(self.engine, "abort_requests", None)
+        if running and abort is not None:
+            await abort(running)
+        self.num_aborted += len(waiting) + len(running)
+        return len(waiting) + len(running)

@@ -144,6 +144,25 @@ class RemoteRewardConfig(_Strict):
         return self
 
 
+class DynamicSamplingConfig(_Strict):
+    """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards all agree carry no advantage, so they are
+    dropped, and the step is filled with informative groups instead. Each round launches `oversample` × the groups
+    still missing; once the step has its `num_prompts_per_step` groups the requests still running are aborted in the
+    engine. After `max_rounds` rounds a step still short is filled with dropped groups (their advantages are exactly
+    0: no gradient) and `rollout/ds_padded_groups` counts them."""
+
+    oversample: float = Field(1.5, ge=1.0, description="Prompts launched per group still missing, each round.")
+    max_rounds: int = Field(4, ge=1, description="Rounds of generation per step before it is padded.")
+
+
+class OverlongPenaltyConfig(_Strict):
+    """DAPO's soft overlong punishment: a response within `buffer` tokens of max_new_tokens loses
+    factor × (its length − (max_new_tokens − buffer)) / buffer from its reward, a full factor at max_new_tokens."""
+
+    buffer: int = Field(gt=0, description="Tokens before max_new_tokens where the penalty starts.")
+    factor: float = Field(1.0, gt=0, description="The penalty at max_new_tokens.")
+
+
 class RolloutConfig(_Strict):
     """What the rollout side does each step."""
 
@@ -171,6 +190,12 @@ class RolloutConfig(_Strict):
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     remote_reward: RemoteRewardConfig | None = Field(None, description="The service of `reward: remote`.")
+    dynamic_sampling: DynamicSamplingConfig | None = Field(
+        None, description="Drop groups whose rewards all agree and fill the step with informative ones (None: off)."
+    )
+    overlong_penalty: OverlongPenaltyConfig | None = Field(
+        None, description="Penalise responses near max_new_tokens in the reward (None: off)."
+    )
 
     @model_validator(mode="after")
     def _plugins_have_their_settings(self) -> RolloutConfig:
@@ -178,6 +203,13 @@ class RolloutConfig(_Strict):
             raise ValueError("generate: multi_turn needs rollout.environment (a dotted path to a factory)")
         if self.reward == "remote" and self.remote_reward is None:
             raise ValueError("reward: remote needs rollout.remote_reward (at least its url)")
+        if self.dynamic_sampling is not None and self.num_samples_per_prompt < 2:
+            raise ValueError("dynamic_sampling: needs num_samples_per_prompt ≥ 2 (a group of one never varies)")
+        if self.overlong_penalty is not None and self.overlong_penalty.buffer > self.sampling.max_new_tokens:
+            raise ValueError(
+                f"overlong_penalty.buffer: {self.overlong_penalty.buffer} is more than sampling.max_new_tokens "
+                f"({self.sampling.max_new_tokens})"
+            )
         return self
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from miles_rollout.client import EngineClient
@@ -17,6 +19,7 @@ from miles_rollout.types import (
     PromptRecord,
     RolloutBatch,
     Sample,
+    SampleStatus,
     SamplingParams,
     StageTiming,
 )
@@ -84,8 +87,7 @@ class RolloutManager:
         samples = [s for group in await asyncio.gather(*calls) for s in group]
         generated = time.time()
         num_tokens = sum(len(s.response_ids) for s in samples)
-        for sample, reward in zip(samples, await score_all(self.reward_fn, samples, self.config.reward), strict=True):
-            sample.reward = reward
+        await self._score(samples)
         scored = time.time()
         return RolloutBatch(
             samples,
@@ -95,6 +97,107 @@ class RolloutManager:
             ],
             sampling=sampling,
         )
+
+    async def _score(self, samples: list[Sample]) -> None:
+        """The reward of each sample, less the overlong penalty where it is on."""
+        for sample, reward in zip(samples, await score_all(self.reward_fn, samples, self.config.reward), strict=True):
+            sample.reward = reward - self._overlong(sample)
+
+    def _overlong(self, sample: Sample) -> float:
+        """DAPO's soft overlong punishment of `rollout.overlong_penalty` (0 when off or short enough)."""
+        penalty = self.config.overlong_penalty
+        if penalty is None:
+            return 0.0
+        limit = self.config.sampling.max_new_tokens
+        over = len(sample.response_ids) - (limit - penalty.buffer)
+        return penalty.factor * min(max(over, 0) / penalty.buffer, 1.0)
+
+    async def generate_step(
+        self, draw: Callable[[int], list[PromptRecord]], num_groups: int
+    ) -> tuple[RolloutBatch, list[PromptRecord]]:
+        """One step's `num_groups` groups and their prompts (group i of the batch is prompt i), prompts taken from
+        `draw(n)`. Without `rollout.dynamic_sampling`: `generate(draw(num_groups))`. With it: groups are generated
+        and scored as they finish; those whose rewards all agree are dropped; more prompts are launched while the
+        step can still come up short (`oversample` × the groups missing, at most `max_rounds` launches); the requests
+        still running once the step is full are aborted in the engine. `batch.metrics` counts what happened."""
+        ds = self.config.dynamic_sampling
+        if ds is None:
+            prompts = draw(num_groups)
+            batch = await self.generate(prompts)
+            batch.metrics["rollout/prompts_drawn"] = float(len(prompts))
+            return batch, prompts
+        n = self.config.num_samples_per_prompt
+        sampling = self.sampling_params(self.config.sampling)
+        # an engine that batches concurrent calls itself (SGLang) answers each request when it is done; one that
+        # decodes a batch at a time (hf) gets batches, and what waits behind a running one is what an abort saves
+        concurrent = getattr(self.engine, "max_concurrent_calls", None) is None
+        client = EngineClient(self.engine, self.vocab_size, batch_calls=not concurrent)
+        start = time.time()
+        kept: list[tuple[PromptRecord, list[Sample]]] = []
+        dropped: list[tuple[PromptRecord, list[Sample]]] = []
+        running: dict[asyncio.Future, PromptRecord] = {}
+        launches = drawn = finished_samples = surplus_done = generated_tokens = 0
+        try:
+            while len(kept) < num_groups:
+                missing = num_groups - len(kept) - len(running)
+                if missing > 0 and launches < ds.max_rounds:
+                    for record in draw(math.ceil(missing * ds.oversample)):
+                        task = asyncio.ensure_future(self._scored_group(record, client, sampling, drawn, n))
+                        running[task], drawn = record, drawn + 1
+                    launches += 1
+                if not running:
+                    break  # every launch is spent: the step is padded below
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for finished in done:
+                    record, samples = running.pop(finished), finished.result()
+                    finished_samples += len(samples)
+                    generated_tokens += sum(len(s.response_ids) for s in samples)
+                    if len({s.reward for s in samples}) == 1:
+                        dropped.append((record, samples))
+                    elif len(kept) < num_groups:
+                        kept.append((record, samples))
+                    else:
+                        surplus_done += 1  # informative, but finished together with the step's last group
+        finally:
+            surplus = len(running)
+            if running:
+                await client.abort_outstanding()
+                for ended in await asyncio.gather(*running, return_exceptions=True):  # they end at once, aborted
+                    if isinstance(ended, list):
+                        generated_tokens += sum(len(s.response_ids) for s in ended)
+        padding = dropped[: num_groups - len(kept)]
+        chosen = kept + padding
+        samples = []
+        for index, (_, group_samples) in enumerate(chosen):
+            for sample in group_samples:
+                sample.group_index = index
+                samples.append(sample)
+        end = time.time()  # the rollout span counts every token generated, the dropped and aborted groups' too
+        batch = RolloutBatch(samples, timings=[StageTiming("rollout", start, end, generated_tokens)], sampling=sampling)
+        batch.metrics.update(
+            {
+                "rollout/prompts_drawn": float(drawn),
+                "rollout/ds_dropped_groups": float(len(dropped) - len(padding)),
+                "rollout/ds_padded_groups": float(len(padding)),
+                "rollout/ds_launches": float(launches),
+                "rollout/ds_generated_samples": float(finished_samples),
+                "rollout/ds_used_samples": float(len(samples)),
+                "rollout/ds_surplus_groups": float(surplus + surplus_done),  # generated (or begun) for nothing
+                "rollout/ds_aborted_requests": float(client.num_aborted),
+                "rollout/ds_generated_tokens": float(generated_tokens),
+            }
+        )
+        return batch, [record for record, _ in chosen]
+
+    async def _scored_group(
+        self, record: PromptRecord, client: EngineClient, sampling: SamplingParams, group: int, n: int
+    ) -> list[Sample]:
+        """The `n` samples of one prompt, scored (an aborted sample keeps reward 0 and its ABORTED status)."""
+        parts = await asyncio.gather(*(self._sample(record, client, sampling, group, k) for k in range(n)))
+        samples = [s for part in parts for s in part]
+        if all(s.status != SampleStatus.ABORTED for s in samples):  # an aborted (surplus) group is not scored
+            await self._score(samples)
+        return samples
 
     async def _sample(
         self, record: PromptRecord, client: EngineClient, sampling: SamplingParams, group: int, index: int

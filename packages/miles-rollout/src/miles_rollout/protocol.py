@@ -38,6 +38,10 @@ class RolloutEngine(Protocol):
 
     `generate` is async and batched. `pause(mode)` stops decoding: `in_place` and `retract` hold
     in-flight requests until `resume()`, `abort` ends them with finish reason `abort`.
+
+    Optional: `async abort_requests(request_ids)` ends those requests alone (finish reason `abort`, with what they
+    generated so far); `EngineClient.abort_outstanding` uses it (dynamic sampling's surplus). Both built-in engines
+    have it; an engine without it lets the surplus finish, and the manager discards it.
     """
 
     name: str

@@ -123,6 +123,7 @@ class RolloutBatch:
     samples: list[Sample]
     timings: list[StageTiming] = field(default_factory=list)
     sampling: SamplingParams | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # what making it counted (dynamic sampling's drops)
 
     @property
     def num_groups(self) -> int:

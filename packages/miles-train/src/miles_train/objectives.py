@@ -266,7 +266,8 @@ assert set(BUILTINS) == set(ALGORITHMS), "config.ALGORITHMS lists the built-ins"
 
 
 def build_objective(config: AlgorithmConfig) -> Objective:
-    """The objective `config.name` names, constructed with `config.options`; ValueError naming what is wrong."""
+    """The objective `config.name` names, constructed with `config.options`; ValueError naming what is wrong (the
+    field within train.algorithm)."""
     if config.name in BUILTINS:
         return BUILTINS[config.name]()
     from miles_sync.plugins import resolve_dotted
@@ -274,13 +275,12 @@ def build_objective(config: AlgorithmConfig) -> Objective:
     target: Any = resolve_dotted(config.name)
     if not (isinstance(target, type) and issubclass(target, Objective)):
         raise ValueError(
-            f"train.algorithm.name: {config.name!r} is not a subclass of miles_train.objectives.Objective "
-            f"(got {target!r})"
+            f"name: {config.name!r} is not a subclass of miles_train.objectives.Objective (got {target!r})"
         )
     try:
         objective = target(**config.options)
     except TypeError as exc:
-        raise ValueError(f"train.algorithm.options: {config.name} does not take {config.options}: {exc}") from None
+        raise ValueError(f"options: {config.name} does not take {config.options}: {exc}") from None
     from miles_train.config import Aggregation
 
     allowed = Aggregation.__args__  # type: ignore[attr-defined]

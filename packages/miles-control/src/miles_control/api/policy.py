@@ -203,8 +203,11 @@ def _check_plugin(
     classes: bool = False,
     coroutine: bool = False,
 ) -> list[Problem]:
-    """`rollout.<field>`: a built-in name, or a top-level function (or class, where `classes`) of a module the
-    server's settings allow (`plugin_modules`), read without importing it."""
+    """`rollout.<field>` (or the dotted location `field` names, e.g. `train.algorithm.name`): a built-in name, or a
+    top-level function (or class, where `classes`) of a module the server's settings allow (`plugin_modules`), read
+    without importing it."""
+    location = tuple(field.split(".")) if "." in field else ("rollout", field)
+    what = location[-2] if location[-1] == "name" else location[-1]
     if path in builtin:
         return []
     module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
@@ -215,24 +218,28 @@ def _check_plugin(
     if not allowed(module) or not attr.isidentifier():  # a function of the module itself, not a path through it
         names = ", ".join(builtin) or "none"
         extra = f"; or a function of {', '.join(settings.plugin_modules)}" if settings.plugin_modules else ""
-        return [_problem(("rollout", field), f"unknown {field} {path!r}: use one of {names}{extra}")]
+        return [_problem(location, f"unknown {what} {path!r}: use one of {names}{extra}")]
     from miles_rollout.plugins import locate_function
 
     try:  # read, not imported: a module runs when imported, and the server must not run job code
         locate_function(path, positional=positional, classes=classes, coroutine=coroutine)
     except (ValueError, OSError, SyntaxError) as exc:
-        return [_problem(("rollout", field), str(exc))]
+        return [_problem(location, str(exc))]
     return []
 
 
 def _check_plugins(spec: JobSpec, settings: ServerSettings) -> list[Problem]:
-    """The reward, the generate function and the environment factory."""
+    """The reward, the generate function, the environment factory and the trainer's objective."""
     from miles_rollout.generate import BUILTIN
     from miles_rollout.rewards import registered_rewards
+    from miles_train.config import ALGORITHMS
 
     rollout = spec.rollout
     problems = _check_plugin("reward", rollout.reward, registered_rewards(), settings, positional=1)
     problems += _check_plugin("generate", rollout.generate, sorted(BUILTIN), settings, positional=4, coroutine=True)
     if rollout.environment is not None:  # called with environment_args as keywords: its arguments are not counted
         problems += _check_plugin("environment", rollout.environment, [], settings, positional=None, classes=True)
+    problems += _check_plugin(
+        "train.algorithm.name", spec.train.algorithm.name, list(ALGORITHMS), settings, positional=None, classes=True
+    )
     return problems

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from miles_control.runtime.workers import (
 from miles_sync import needs_receiver_ranks
 
 log = logging.getLogger(__name__)
+ROLLOUT_STATE = "rollout.json"  # in a checkpoint folder: how many prompts the steps up to it drew
 
 # Quiet, offline workers: nothing may be fetched from a hub at run time.
 WORKER_ENV = {
@@ -97,6 +99,7 @@ class JobRuntime:
         )
         self.spec = spec
         self.recorder = recorder
+        self.prompts_used = 0  # prompts drawn for the batches recorded so far (what a checkpoint stores)
         self.run_dir = run_dir
         self.weight_version = 0
         self._warned_update_lost = False
@@ -177,6 +180,7 @@ class JobRuntime:
         return self._record_batch(step, batch), rollout_metrics(batch)
 
     def _record_batch(self, step: int, batch):
+        self.prompts_used += int(batch.metrics.get("rollout/prompts_drawn", 0))
         for t in batch.timings:
             worker = "trainer" if t.stage == "wait_rollout" else "rollout-0"
             self.recorder.span(t.stage, step, worker, t.start, t.end, num_tokens=t.num_tokens)
@@ -337,6 +341,8 @@ class JobRuntime:
         directory = self.run_dir / "checkpoints" / f"step-{step}"
         start = time.time()
         self.save(directory)
+        # where the prompt stream stands (dynamic sampling draws a varying number of prompts per step)
+        (directory / ROLLOUT_STATE).write_text(json.dumps({"prompts_drawn": self.prompts_used}))
         self.recorder.span("checkpoint", step, "trainer", start, time.time())
         self.recorder.checkpoint(step, self.weight_version, directory)
         return directory
@@ -354,8 +360,14 @@ class JobRuntime:
 
         start = time.time()
         self.trainer.load(directory)
-        # The prompts of steps 1..step were trained on already (fully_async: about that many).
-        ray.get(self.rollout.skip_prompts.remote(step * self.spec.rollout.num_prompts_per_step))
+        # The prompts of steps 1..step were trained on already (fully_async: about that many): as the checkpoint
+        # recorded them, or (a checkpoint made before it did) num_prompts_per_step a step.
+        state = directory / ROLLOUT_STATE
+        drawn = step * self.spec.rollout.num_prompts_per_step
+        if state.exists():
+            drawn = int(json.loads(state.read_text())["prompts_drawn"])
+        ray.get(self.rollout.skip_prompts.remote(drawn))
+        self.prompts_used = drawn
         self.recorder.span("restore", step, "trainer", start, time.time())
         self.recorder.event("resume", f"resumed from {directory} (after step {step})", step=step, path=str(directory))
         return self.push_weights(step, version=step)

@@ -230,6 +230,7 @@ class RolloutWorker:
         self._sampling = None  # of the generated batches: the taken batch says how its samples were sampled
         self._stream_error: BaseException | None = None
         self._next_group = 0
+        self._counts: dict[str, float] = {}  # fully_async: generate_step's counts since the last take
 
     def receiver_ranks(self) -> int:
         return self.engine.receiver_ranks()
@@ -249,9 +250,16 @@ class RolloutWorker:
         if num_prompts:
             self.stream.next_batch(num_prompts)
 
+    def _draw(self, num_prompts: int) -> list:
+        """Prompts to generate from: those the fully_async buffer gave back for regeneration first, then the stream."""
+        take = min(num_prompts, len(self._regenerate))
+        prompts = [self._regenerate.pop(0) for _ in range(take)]
+        return prompts + self.stream.next_batch(num_prompts - take)
+
     def generate(self):
-        prompts = self.stream.next_batch(self.config.num_prompts_per_step)
-        return asyncio.run(self.manager.generate(prompts))
+        """One step's batch (`rollout.dynamic_sampling`: its informative groups); `batch.metrics` has what it took."""
+        batch, _ = asyncio.run(self.manager.generate_step(self._draw, self.config.num_prompts_per_step))
+        return batch
 
     # ---- fully_async: continuous generation into a bounded buffer -------------------------------
 
@@ -274,12 +282,11 @@ class RolloutWorker:
         assert self.buffer is not None
         try:
             while self._running.is_set():
-                take = min(chunk_prompts, len(self._regenerate))
-                prompts = [self._regenerate.pop(0) for _ in range(take)]
-                prompts += self.stream.next_batch(chunk_prompts - len(prompts))
-                batch = asyncio.run(self.manager.generate(prompts))
+                batch, prompts = asyncio.run(self.manager.generate_step(self._draw, chunk_prompts))
                 self._timings += batch.timings
                 self._sampling = batch.sampling
+                for key, value in batch.metrics.items():  # counts since the last take
+                    self._counts[key] = self._counts.get(key, 0.0) + value
                 by_group: dict[int, list] = {}
                 for sample in batch.samples:
                     by_group.setdefault(sample.group_index, []).append(sample)
@@ -322,8 +329,12 @@ class RolloutWorker:
                 samples.append(sample)
                 staleness.append(sample.staleness(trainer_version))
         timings, self._timings = self._timings, []
+        counts, self._counts = self._counts, {}
         batch = RolloutBatch(
-            samples, timings=[*timings, StageTiming("wait_rollout", start, time.time())], sampling=self._sampling
+            samples,
+            timings=[*timings, StageTiming("wait_rollout", start, time.time())],
+            sampling=self._sampling,
+            metrics=counts,
         )
         return TakenBatch(batch, staleness, dropped, regenerate, len(self.buffer))
 

@@ -74,6 +74,7 @@ class HFEngine:
         self._resumed = threading.Event()
         self._resumed.set()
         self._abort = False
+        self._aborted_ids: set[str] = set()  # abort_requests(): rows that end at their next token
         self._weights_lock = threading.Lock()
 
     @property
@@ -93,7 +94,13 @@ class HFEngine:
                 outs = await asyncio.to_thread(self._generate_chunk, [requests[i] for i in chunk], sampling)
                 for i, out in zip(chunk, outs, strict=True):
                     results[i] = out
+        self._aborted_ids.difference_update(r.request_id for r in requests)
         return results  # type: ignore[return-value]
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """End these requests at their next token, finish reason `abort` (the rest of their batch goes on; a batch
+        whose every row is done stops)."""
+        self._aborted_ids.update(request_ids)
 
     def _wait_if_paused(self) -> bool:
         """Block while paused in place; True when the caller must abort its requests."""
@@ -145,6 +152,13 @@ class HFEngine:
             finished |= hit_stop
             if bool(finished.all()) or step == sampling.max_new_tokens - 1:
                 break
+            if self._aborted_ids:
+                for row in (~finished).nonzero().flatten().tolist():
+                    if requests[row].request_id in self._aborted_ids:
+                        reasons[row] = FinishReason.ABORT
+                        finished[row] = True
+                if bool(finished.all()):
+                    break
             if self._wait_if_paused():
                 for row in (~finished).nonzero().flatten().tolist():
                     reasons[row] = FinishReason.ABORT

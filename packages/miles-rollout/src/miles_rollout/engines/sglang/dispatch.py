@@ -66,6 +66,22 @@ class Dispatcher:
                     await self._flush_when_idle(client, slot)
         raise RuntimeError(f"sglang engine: a generate call failed {max_attempts} times on every server")
 
+    async def abort(self, request_ids: list[str]) -> None:
+        """SGLang's /abort_request for each id on every admitted server (a server that does not hold it ignores it);
+        the aborted requests return what they generated so far with finish reason `abort`."""
+        async with httpx.AsyncClient(timeout=30) as client:
+            calls = [
+                client.post(f"{slot.url}/abort_request", json={"rid": rid})
+                for slot in self.slots
+                if slot.admitted
+                for rid in request_ids
+            ]
+            for answer in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(answer, httpx.Response) and answer.status_code >= 400:
+                    raise RuntimeError(
+                        f"sglang engine: /abort_request answered {answer.status_code}: {answer.text[:300]}"
+                    )
+
     @staticmethod
     async def _flush_when_idle(client: httpx.AsyncClient, slot: Slot) -> None:
         """Drop prefix-cache entries of an older weight version once nothing runs on the server."""
@@ -89,6 +105,7 @@ class Dispatcher:
                 "ignore_eos": sampling.ignore_eos,
             },
             "return_logprob": True,
+            "rid": [r.request_id for r in requests],  # unique per EngineClient: what abort_requests names
         }
         call = asyncio.ensure_future(client.post(f"{slot.url}/generate", json=body))
         while not call.done():

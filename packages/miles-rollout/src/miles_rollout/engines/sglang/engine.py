@@ -153,6 +153,10 @@ class SGLangEngine:
         """Split into calls of at most `max_requests_per_call`, each routed to the least busy server."""
         return await self._dispatcher.generate(requests)
 
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """End these requests now (SGLang's /abort_request): they return what they generated, finish reason abort."""
+        await self._dispatcher.abort(request_ids)
+
     async def pause(self, mode: PauseMode = "in_place") -> None:
         """Stop new calls; pause (with `mode`) the servers that have requests in flight."""
         self._pause.pause(mode)
