@@ -287,7 +287,7 @@ def test_generate_functions_and_environments_over_the_api_are_of_allowed_modules
     [(field, msg)] = problems({"generate": "multi_turn", "environment": "agents.loop:Calculator"}, [])
     assert field == "environment" and "unknown environment 'agents.loop:Calculator'" in msg
     [(field, msg)] = problems({"generate": "agents.loop:generate"}, ["other"])
-    assert field == "generate" and "use one of multi_turn, single_turn; or a function of other" in msg
+    assert field == "generate" and "use one of multi_turn, single_turn, supervised; or a function of other" in msg
     assert not list(plugin.rglob("*.imported")) and "agents" not in sys.modules
     [(field, msg)] = problems({"reward": "remote", "remote_reward": {"url": "http://10.0.0.1/score"}}, [])
     assert field == "remote_reward" and "not accepted over the API" in msg

@@ -171,3 +171,20 @@ def test_a_built_in_models_own_setting_is_refused_on_the_other(tmp_path):
         spec = load_spec(write(tmp_path, text))
         assert type(spec).model_validate(spec.model_dump(mode="json")) == spec
     assert (spec.model.warm_start_call_share, spec.model.warm_start_target) == (0.1, 0.9)  # the calculator's defaults
+
+
+def test_kind_sft_fills_what_supervised_fine_tuning_needs_and_refuses_contradictions():
+    from miles_control.config import JobSpec
+
+    spec = JobSpec.model_validate(
+        {"name": "s", "kind": "sft", "data": {"source": "file", "path": "pairs.jsonl", "eval_path": "e.jsonl"}}
+    )
+    assert (spec.rollout.generate, spec.rollout.num_samples_per_prompt) == ("supervised", 1)
+    assert spec.train.algorithm.name == "sft" and spec.data.label_key == "response"
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec  # a stored spec loads as it was
+    with pytest.raises(ValueError, match="kind: sft .* but rollout.num_samples_per_prompt is 4"):
+        JobSpec.model_validate({"name": "s", "kind": "sft", "rollout": {"num_samples_per_prompt": 4}})
+    with pytest.raises(ValueError, match="set kind: sft"):
+        JobSpec.model_validate({"name": "s", "rollout": {"generate": "supervised"}})
+    with pytest.raises(ValueError, match="kind"):
+        JobSpec.model_validate({"name": "s", "kind": "distill"})

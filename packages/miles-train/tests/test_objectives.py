@@ -200,3 +200,14 @@ def test_what_a_user_objective_returns_is_checked_with_its_name():
         check_loss("mine", (logprobs + torch.tensor([[0, math.inf, 0], [0, 0, 0]]), clipped), logprobs, mask, True)
     with pytest.raises(ObjectiveError, match="must return"):
         check_loss("mine", logprobs, logprobs, mask, values=True)
+
+
+def test_sft_is_the_negative_log_likelihood_of_the_responses():
+    logprobs = torch.tensor([[-0.5, -1.5, -9.0], [-2.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0]])
+    inputs = LossInputs(logprobs, torch.zeros(2, 3), torch.zeros(2, 3), mask, 0.2, 0.2)
+    loss, clipped = BUILTINS["sft"]().policy_loss(inputs)
+    total = aggregate(loss, mask, "token_mean", *denominators([[1, 1], [1]]))
+    assert float(total.detach()) == pytest.approx((0.5 + 1.5 + 2.0) / 3) and not clipped.any()
+    total.backward()
+    assert logprobs.grad.tolist() == [pytest.approx([-1 / 3, -1 / 3, 0]), pytest.approx([-1 / 3, 0, 0])]

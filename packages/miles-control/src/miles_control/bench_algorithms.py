@@ -19,7 +19,7 @@ from pathlib import Path
 from miles_control.config import JobSpec
 from miles_control.store import Store
 from miles_control.summary import RunSummary, summarize
-from miles_train.config import ALGORITHMS
+from miles_train.config import RL_ALGORITHMS
 
 
 @dataclass
@@ -49,7 +49,7 @@ class AlgorithmResult:
 
 
 def run_algorithms(
-    base: JobSpec, out: Path, names: tuple[str, ...] = ALGORITHMS, on_job=lambda name, job_id: None
+    base: JobSpec, out: Path, names: tuple[str, ...] = RL_ALGORITHMS, on_job=lambda name, job_id: None
 ) -> list[AlgorithmResult]:
     """Run `base` once per algorithm into `out/bench.db`; an algorithm's job that fails stops the bench."""
     from miles_control.run import run_job

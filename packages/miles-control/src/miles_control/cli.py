@@ -86,13 +86,14 @@ def run(
         if "eval/accuracy" in metrics:
             last_eval["value"] = metrics["eval/accuracy"]
         acc = "-" if last_eval["value"] is None else f"{last_eval['value']:.3f}"
+        # kind: sft has no reward worth showing (its samples are the labels)
+        reward = "" if spec.kind == "sft" else f"reward {metrics['rollout/reward_mean']:.3f}  "
         progress.update(
             task,
             completed=step,
             description="training",
             status=(
-                f"reward {metrics['rollout/reward_mean']:.3f}  eval acc {acc}  "
-                f"loss {metrics['train/loss']:+.4f}  entropy {metrics['train/entropy']:.3f}"
+                f"{reward}eval acc {acc}  loss {metrics['train/loss']:+.4f}  entropy {metrics['train/entropy']:.3f}"
             ),
         )
         if quiet and "eval/accuracy" in metrics:
@@ -100,7 +101,7 @@ def run(
         elif plain and (step % log_every == 0 or step == spec.schedule.num_steps or "eval/accuracy" in metrics):
             console.print(
                 f"[{time.monotonic() - started:6.0f} s] step {step}/{spec.schedule.num_steps}  "
-                f"reward {metrics['rollout/reward_mean']:.3f}  eval acc {acc}  loss {metrics['train/loss']:+.4f}",
+                f"{reward}eval acc {acc}  loss {metrics['train/loss']:+.4f}",
                 markup=False,
                 highlight=False,
                 soft_wrap=True,
@@ -266,7 +267,7 @@ def bench_algorithms(
     steps: Annotated[int | None, typer.Option(min=1, help="Steps per algorithm (default: the spec's).")] = None,
     algorithms: Annotated[
         str | None,
-        typer.Option(help="Comma-separated names: built-ins or dotted paths (default: every built-in)."),
+        typer.Option(help="Comma-separated names: built-ins or dotted paths (default: every built-in RL objective)."),
     ] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
 ) -> None:
@@ -277,10 +278,10 @@ def bench_algorithms(
     import platform
 
     from miles_control.bench_algorithms import report, run_algorithms
-    from miles_train.config import ALGORITHMS, AlgorithmConfig
+    from miles_train.config import RL_ALGORITHMS, AlgorithmConfig
 
     logging.basicConfig(level=logging.WARNING)
-    names = tuple(n.strip() for n in algorithms.split(",") if n.strip()) if algorithms else ALGORITHMS
+    names = tuple(n.strip() for n in algorithms.split(",") if n.strip()) if algorithms else RL_ALGORITHMS
     for name in names:
         try:
             AlgorithmConfig(name=name)

@@ -332,6 +332,13 @@ class JobSpec(_Strict):
     """Everything one run needs. Unknown fields are errors."""
 
     name: str = Field(min_length=1, max_length=200, description="Shown in lists; at most 200 characters.")
+    kind: Literal["rl", "sft"] = Field(
+        "rl",
+        description="rl: generate, score, train (the algorithm of train.algorithm). sft: supervised fine-tuning on the "
+        "prompts' labels as responses (a JSONL of prompt/response pairs: data.label_key defaults to `response`), with "
+        "the same backends, pushes, held-out evaluation and store; it sets rollout.generate: supervised, "
+        "rollout.num_samples_per_prompt: 1 and train.algorithm: sft where the spec leaves them out.",
+    )
     seed: int = 0
     model: ModelConfig = Field(default_factory=BuiltinModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -343,6 +350,49 @@ class JobSpec(_Strict):
     ray: RayConfig = Field(default_factory=RayConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     output_dir: str = Field(".miles/runs", description="Where runs write weights and checkpoints.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sft_defaults(cls, data: Any) -> Any:
+        """`kind: sft` fills what supervised fine-tuning needs where the spec leaves it out."""
+        if not (isinstance(data, dict) and data.get("kind") == "sft"):
+            return data
+        rollout = dict(data.get("rollout") or {})
+        rollout.setdefault("generate", "supervised")
+        rollout.setdefault("num_samples_per_prompt", 1)
+        train = dict(data.get("train") or {})
+        train.setdefault("algorithm", "sft")
+        out = {**data, "rollout": rollout, "train": train}
+        source = data.get("data")
+        if isinstance(source, dict) and source.get("source") == "file" and "label_key" not in source:
+            out["data"] = {**source, "label_key": "response"}
+        return out
+
+    @model_validator(mode="after")
+    def _kind_fits(self) -> JobSpec:
+        rollout, algorithm = self.rollout, self.train.algorithm.name
+        if self.kind == "sft":
+            wrong = [
+                f"{field} is {value!r}"
+                for field, value, wanted in (
+                    ("rollout.generate", rollout.generate, "supervised"),
+                    ("train.algorithm", algorithm, "sft"),
+                    ("rollout.num_samples_per_prompt", rollout.num_samples_per_prompt, 1),
+                    ("rollout.dynamic_sampling", rollout.dynamic_sampling, None),
+                )
+                if value != wanted
+            ]
+            if wrong:
+                raise ValueError(
+                    "kind: sft trains on the labels as responses (rollout.generate: supervised, train.algorithm: sft, "
+                    f"one sample per prompt, no dynamic sampling), but {'; '.join(wrong)}"
+                )
+        elif rollout.generate == "supervised" or algorithm == "sft":
+            raise ValueError(
+                "rollout.generate: supervised and train.algorithm: sft are supervised fine-tuning: set kind: sft "
+                "(they make no sense apart: an RL objective on the labels, or the labels' likelihood of samples)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _quantization_grids_agree(self) -> JobSpec:

@@ -179,7 +179,8 @@ class RolloutConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     generate: str = Field(
         "single_turn",
-        description="single_turn, multi_turn (episodes with rollout.environment), or a dotted path to an async "
+        description="single_turn, multi_turn (episodes with rollout.environment), supervised (the record's label is "
+        "the response, teacher-forced: supervised fine-tuning, `kind: sft`), or a dotted path to an async "
         "function (record, client, sampling, ctx) returning samples.",
     )
     environment: str | None = Field(

@@ -29,7 +29,7 @@ from miles_rollout.env import Action, StepResult, environment_factory, parse_too
 from miles_rollout.episode import Episode
 from miles_rollout.plugins import resolve_dotted
 from miles_rollout.prompts import PromptEncoder
-from miles_rollout.types import FinishReason, PromptRecord, Sample, SamplingParams, status_of
+from miles_rollout.types import FinishReason, PromptRecord, Sample, SampleStatus, SamplingParams, status_of
 
 GenerateFn = Callable[[PromptRecord, EngineClient, SamplingParams, "GenerateContext"], Awaitable[Any]]
 
@@ -234,7 +234,33 @@ def _no_turn(ctx: GenerateContext, record: PromptRecord, tools: Any, version: in
     return episode.to_sample(record, ctx.group_index, version)
 
 
-BUILTIN: dict[str, GenerateFn] = {"single_turn": single_turn, "multi_turn": multi_turn}
+async def supervised(record: PromptRecord, client: EngineClient, sampling: SamplingParams, ctx: GenerateContext):
+    """Supervised fine-tuning (`kind: sft`): the record's response (its label) is the sample, teacher-forced; the
+    engine is not called (it generates only for the held-out evaluation). The response is the label's tokens and the
+    tokenizer's EOS, all of them trained; the rollout logprobs are unknown (0), so no off-policy correction applies."""
+    prompt_ids = ctx.encoder.encode(record)
+    response_ids = list(ctx.tokenizer.encode(record.label, add_special_tokens=False))
+    eos = ctx.tokenizer.eos_token_id
+    if eos is not None:
+        response_ids.append(int(eos))
+    if not response_ids:
+        raise ValueError(f"generate supervised: the response of {record.prompt[:60]!r} is empty")
+    return Sample(
+        group_index=ctx.group_index,
+        prompt=record.prompt,
+        label=record.label,
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        rollout_logprobs=[0.0] * len(response_ids),
+        loss_mask=[1] * len(response_ids),
+        response_text=record.label,
+        status=SampleStatus.COMPLETED,
+        weight_versions=[client.engine.weight_version],
+        metadata=dict(record.metadata),
+    )
+
+
+BUILTIN: dict[str, GenerateFn] = {"single_turn": single_turn, "multi_turn": multi_turn, "supervised": supervised}
 
 
 def resolve_generate(name_or_path: str) -> GenerateFn:

@@ -73,16 +73,21 @@ class RolloutManager:
         )
 
     async def generate(
-        self, prompts: list[PromptRecord], num_samples_per_prompt: int | None = None, temperature: float | None = None
+        self,
+        prompts: list[PromptRecord],
+        num_samples_per_prompt: int | None = None,
+        temperature: float | None = None,
+        evaluating: bool = False,
     ) -> RolloutBatch:
         """`num_samples_per_prompt` samples per prompt from the generate function (`rollout.generate`), all
-        concurrently through one `EngineClient` (calls made together reach the engine as one batch), then scored."""
+        concurrently through one `EngineClient` (calls made together reach the engine as one batch), then scored.
+        `evaluating`: the model answers, whatever the generate function (`supervised` would return the labels)."""
         n = self.config.num_samples_per_prompt if num_samples_per_prompt is None else num_samples_per_prompt
         sampling = self.sampling_params(self.config.sampling, temperature)
         client = EngineClient(self.engine, self.vocab_size)
         start = time.time()
         calls = [
-            self._sample(record, client, sampling, g, k) for g, record in enumerate(prompts) for k in range(n)
+            self._sample(record, client, sampling, g, k, evaluating) for g, record in enumerate(prompts) for k in range(n)
         ]  # fmt: skip
         samples = [s for group in await asyncio.gather(*calls) for s in group]
         generated = time.time()
@@ -200,10 +205,19 @@ class RolloutManager:
         return samples
 
     async def _sample(
-        self, record: PromptRecord, client: EngineClient, sampling: SamplingParams, group: int, index: int
+        self,
+        record: PromptRecord,
+        client: EngineClient,
+        sampling: SamplingParams,
+        group: int,
+        index: int,
+        evaluating: bool = False,
     ) -> list[Sample]:
         ctx = replace(self.context, group_index=group, sample_index=index)
-        out = await self.generate_fn(record, client, sampling, ctx)
+        generate_fn = (
+            BUILTIN["single_turn"] if evaluating and self.config.generate == "supervised" else self.generate_fn
+        )
+        out = await generate_fn(record, client, sampling, ctx)
         where = f"rollout.generate {self.config.generate!r}"
         samples = out if isinstance(out, list) else [out]
         if not samples:
@@ -217,7 +231,7 @@ class RolloutManager:
     async def evaluate(self, prompts: list[PromptRecord], temperature: float = 0.0) -> dict[str, float]:
         """One response (or episode) per prompt; accuracy is the mean reward (exact match gives 0 or 1). Episodes
         add `eval/success` (the share with a positive reward) and `eval/num_turns`."""
-        batch = await self.generate(prompts, num_samples_per_prompt=1, temperature=temperature)
+        batch = await self.generate(prompts, num_samples_per_prompt=1, temperature=temperature, evaluating=True)
         rewards = batch.rewards()
         out = {
             "eval/accuracy": sum(rewards) / len(rewards),

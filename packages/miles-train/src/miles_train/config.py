@@ -144,7 +144,8 @@ class GRPOConfig(_Strict):
         return self.tis_cap is not None or self.mis_band is not None
 
 
-ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "sft")
+RL_ALGORITHMS = ALGORITHMS[:-1]  # what `miles bench algorithms` compares by default
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
 
@@ -159,7 +160,8 @@ class AlgorithmConfig(_Strict):
         description="A built-in (grpo: group mean and std; dr_grpo: group mean, no std, sequence-sum aggregation; "
         "gspo: sequence-level ratio and clipping; rloo: leave-one-out baseline; reinforce_pp: REINFORCE++ with "
         "token returns normalised over the global batch and the KL in the reward; reinforce_pp_baseline: the same "
-        "after subtracting each group's mean reward), or a dotted path `package.module:Name` to a user objective "
+        "after subtracting each group's mean reward; sft: the negative log-likelihood of the responses, for "
+        "`kind: sft`), or a dotted path `package.module:Name` to a user objective "
         "class with the same contract (miles_train.objectives.Objective).",
     )
     aggregation: Aggregation | None = Field(

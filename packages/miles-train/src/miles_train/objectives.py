@@ -24,6 +24,7 @@ Formulas, with ρ = π/π_old per token, A the advantage and groups of G samples
 - reinforce_pp (Hu 2025, REINFORCE++): token reward −β·KL_t with the sequence's reward added at its last token,
   return G_t = Σ_{s≥t} reward_s, A = (G_t − mean) / (std + ε) over every token of the global batch.
   reinforce_pp_baseline subtracts each group's mean reward before the returns.
+- sft: −log π of every response token (supervised fine-tuning; `kind: sft` makes the labels the responses).
 Groups of one sample, and groups (or batches, for reinforce_pp) whose values all agree, get advantages of exactly 0.
 """
 
@@ -259,8 +260,20 @@ class ReinforcePPBaseline(ReinforcePP):
     group_baseline = True
 
 
+class SFT(Objective):
+    """Supervised fine-tuning (`kind: sft`): the negative log-likelihood of the response tokens; no advantage."""
+
+    name = "sft"
+
+    def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
+        return torch.zeros(len(inputs.rewards), dtype=torch.float64)
+
+    def policy_loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return -inputs.logprobs, torch.zeros_like(inputs.logprobs, dtype=torch.bool)
+
+
 BUILTINS: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (GRPO, DrGRPO, GSPO, RLOO, ReinforcePP, ReinforcePPBaseline)
+    cls.name: cls for cls in (GRPO, DrGRPO, GSPO, RLOO, ReinforcePP, ReinforcePPBaseline, SFT)
 }
 assert set(BUILTINS) == set(ALGORITHMS), "config.ALGORITHMS lists the built-ins"
 
