@@ -121,7 +121,12 @@ def test_sft_job_learns_from_prompt_response_pairs(tmp_path):
     url = f"sqlite:///{tmp_path}/miles.db"
     args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "sft" / "arithmetic-sft.yaml")]
     args += ["--log-every", "5"]
-    for o in (f"store.url={url}", f"output_dir={tmp_path}/runs", "schedule.num_steps=15", "rollout.eval.every_steps=15"):
+    for o in (
+        f"store.url={url}",
+        f"output_dir={tmp_path}/runs",
+        "schedule.num_steps=15",
+        "rollout.eval.every_steps=15",
+    ):
         args += ["--set", o]
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -134,3 +139,37 @@ def test_sft_job_learns_from_prompt_response_pairs(tmp_path):
     assert samples and all(s.response == s.label for s in samples)  # the pairs' responses, not generations
     losses = [v for _, v in store.metric_series(1, "train/loss")]
     assert 0 < losses[-1] < losses[0], losses  # the mean negative log-likelihood of the responses falls
+
+
+def test_distillation_moves_the_student_towards_its_teacher(tmp_path):
+    """examples/distill: the demo's model (≈ 0.4 held-out accuracy) distilled from the same model warm-started to
+    0.6, on the hf engine: the reverse KL to the teacher (train/teacher_kl) falls. Measured over 20 steps: 0.40 at
+    the first step, 0.18 at the last (the mean of the first three 0.47, of the last three 0.18)."""
+    sys.path.insert(0, str(ROOT / "examples" / "distill"))
+    from make_teacher import build_teacher
+
+    teacher = build_teacher(tmp_path / "teacher")  # cached: the built-in model with another warm-start target
+    url = f"sqlite:///{tmp_path}/miles.db"
+    args = [
+        sys.executable,
+        "-m",
+        "miles_control.cli",
+        "run",
+        str(ROOT / "examples" / "distill" / "arithmetic-distill.yaml"),
+    ]
+    args += ["--quiet"]
+    for o in (
+        f"store.url={url}",
+        f"output_dir={tmp_path}/runs",
+        f"train.teacher={teacher}",
+        "schedule.num_steps=12",
+        "rollout.eval.every_steps=12",
+    ):
+        args += ["--set", o]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    store = Store(url)
+    assert store.job(1).status == "succeeded", store.job(1).error
+    kl = [v for _, v in store.metric_series(1, "train/teacher_kl")]
+    assert len(kl) == 12 and sum(kl[-3:]) / 3 < 0.75 * sum(kl[:3]) / 3, kl  # closer to the teacher
+    assert all(v > 0 for v in kl[:3]), kl  # the student starts away from its teacher: the test has teeth

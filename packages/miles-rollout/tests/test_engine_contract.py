@@ -63,9 +63,9 @@ def publish(weights, version: int, folder, bucket_bytes: int = 64 << 20):
     return build_sender(DiskSync(dir=str(folder), bucket_bytes=bucket_bytes)).publish(weights, weight_version=version)
 
 
-def requests(n: int, sampling: SamplingParams) -> list[GenerateRequest]:
+def requests(n: int, sampling: SamplingParams, prefix: str = "") -> list[GenerateRequest]:
     prompts = [[3 + (i % 10), 13, 4 + (i % 7), 16] for i in range(n)]
-    return [GenerateRequest(p, sampling, request_id=str(i)) for i, p in enumerate(prompts)]
+    return [GenerateRequest(p, sampling, request_id=f"{prefix}{i}") for i, p in enumerate(prompts)]
 
 
 def test_implements_protocol(engine):
@@ -114,11 +114,11 @@ def test_stop_token_ends_generation(engine):
     assert stopped.finish_reason == FinishReason.STOP
 
 
-def generate_in_background(engine, sampling: SamplingParams, num_requests: int = 3):
+def generate_in_background(engine, sampling: SamplingParams, num_requests: int = 3, prefix: str = ""):
     """Start a long generation in a thread and give it time to be in flight."""
     out: dict = {}
     worker = threading.Thread(
-        target=lambda: out.setdefault("r", asyncio.run(engine.generate(requests(num_requests, sampling))))
+        target=lambda: out.setdefault("r", asyncio.run(engine.generate(requests(num_requests, sampling, prefix))))
     )
     worker.start()
     time.sleep(0.3)
@@ -149,8 +149,9 @@ def test_pause_abort_ends_in_flight_requests(engine):
 
 def test_abort_requests_ends_those_requests_alone(engine):
     """Dynamic sampling's surplus: the named requests end at once with what they generated, the others go on."""
-    worker, out = generate_in_background(engine, LONG)
-    asyncio.run(engine.abort_requests(["0", "2"]))
+    # ids of their own: SGLang may still hold an aborted id while it cleans up, and other tests reuse "0", "1", …
+    worker, out = generate_in_background(engine, LONG, prefix="abort-")
+    asyncio.run(engine.abort_requests(["abort-0", "abort-2"]))
     worker.join(timeout=120)
     assert not worker.is_alive()
     first, middle, last = out["r"]

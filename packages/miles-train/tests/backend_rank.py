@@ -13,8 +13,8 @@ with staleness 0, 1, 2 within each group. `pushed` tells the backend that the en
 `qat-FORMAT` sets train.quantization (int4 groups of 32); `mis` masks tokens whose ratio leaves [0.4, 3] on the
 off-policy batch.
 `json:{...}` takes one step with train.algorithm, train.grpo entries and the learning rate from the JSON
-(`{"algorithm": {...}, "grpo": {...}, "lr": 1e-12, "expect_error": true}`); an expected error is recorded with
-the weights after it instead of failing the rank.
+(`{"algorithm": {...}, "grpo": {...}, "lr": 1e-12, "teacher": DIR, "expect_error": true}`); an expected error is
+recorded with the weights after it instead of failing the rank.
 """
 
 import json
@@ -84,6 +84,8 @@ def main() -> None:
         grpo |= {"mis_band": (0.4, 3.0)}
     custom = json.loads(mode.removeprefix("json:")) if mode.startswith("json:") else {}
     grpo |= custom.get("grpo", {})
+    if custom.get("teacher"):
+        grpo["kl_coef"] = 0.0  # distill's frozen model is the teacher
     backend_cfg, precision = backend_config(variant, world_size)
     quantization = mode.removeprefix("qat-") if mode.startswith("qat-") else "none"
     config = TrainConfig.model_validate(
@@ -95,6 +97,7 @@ def main() -> None:
             "optimizer": {"lr": custom.get("lr", 1e-3), "max_grad_norm": 1.0},
             "grpo": grpo,
             "algorithm": custom.get("algorithm", "grpo"),
+            "teacher": custom.get("teacher"),
         }
     )
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")

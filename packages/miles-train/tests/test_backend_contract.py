@@ -385,10 +385,12 @@ OBJECTIVES = [
 ]
 
 
-def plain_minibatch_updates(model_dir, config: AlgorithmConfig) -> list[tuple[float, float]]:
-    """(aggregated loss, gradient norm) of each minibatch, as the update is written plainly (kl_coef 0.1)."""
+def plain_minibatch_updates(model_dir, config: AlgorithmConfig, teacher=None) -> list[tuple[float, float]]:
+    """(aggregated loss, gradient norm) of each minibatch, as the update is written plainly (kl_coef 0.1; with a
+    teacher, distill: kl_coef 0 and the teacher is the frozen model)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(teacher or model_dir, dtype=torch.float32).eval()
+    kl_coef = 0.0 if teacher else 0.1
     objective = build_objective(config)
     kl_in_reward = objective.kl_in_reward if config.kl_in_reward is None else config.kl_in_reward
     batch = contract_batch()
@@ -396,10 +398,11 @@ def plain_minibatch_updates(model_dir, config: AlgorithmConfig) -> list[tuple[fl
     with torch.no_grad():
         old, _ = token_logprobs(model, whole)
         ref, _ = token_logprobs(reference, whole)
-    penalty = 0.1 * kl_estimate(old, ref, config.kl_estimator) * whole.loss_mask if kl_in_reward else None
+    penalty = kl_coef * kl_estimate(old, ref, config.kl_estimator) * whole.loss_mask if kl_in_reward else None
     inputs = AdvantageInputs(
         torch.tensor(batch.rewards, dtype=torch.float64), batch.group_index, whole.loss_mask, penalty
     )
+    inputs.old_logprobs, inputs.ref_logprobs = old, ref
     adv = check_advantages(config.name, objective.advantages(inputs), len(batch), old.shape[1], whole.loss_mask)
     out = []
     for rows in ([0, 2, 4], [1, 3, 5]):
@@ -413,8 +416,8 @@ def plain_minibatch_updates(model_dir, config: AlgorithmConfig) -> list[tuple[fl
             logprobs, old[rows][:, :width], adv[rows][:, :width], c.loss_mask, 0.2, 0.2, config.dual_clip
         )
         per_token, _ = objective.policy_loss(loss_inputs)
-        if not kl_in_reward:
-            per_token = per_token + 0.1 * kl_estimate(logprobs, ref[rows][:, :width], config.kl_estimator)
+        if not kl_in_reward and kl_coef > 0:
+            per_token = per_token + kl_coef * kl_estimate(logprobs, ref[rows][:, :width], config.kl_estimator)
         per_token = per_token - config.entropy_coef * entropy
         aggregation = config.aggregation or objective.aggregation
         loss = aggregate(per_token, c.loss_mask, aggregation, *denominators(part.loss_mask))
@@ -457,3 +460,27 @@ def test_a_user_objective_returning_nonsense_fails_before_the_optimizer_steps(
     assert re.search(message, result["error"]), result["error"]
     for key, tensor in result["initial"].items():
         assert torch.equal(result["after"][key], tensor), key  # no optimizer step happened
+
+
+# distill on every backend: the student (qwen2) learns from a teacher of another architecture (llama, tied head)
+DISTILL = [("fsdp2", 2), ("megatron-tp2", 2), ("torchtitan", 1)]
+
+
+@pytest.mark.parametrize(("variant", "world_size"), DISTILL, ids=[f"{v}-ws{n}" for v, n in DISTILL])
+def test_distill_scores_with_the_teacher_as_written_plainly(
+    variant, world_size, tiny_model_dir, tiny_llama_dir, tmp_path
+):
+    config = AlgorithmConfig(name="distill")
+    spec = {
+        "algorithm": config.model_dump(),
+        "grpo": {"num_minibatches": 2},
+        "lr": 1e-12,
+        "teacher": str(tiny_llama_dir),
+    }
+    result = run_ranks(tiny_model_dir, world_size, tmp_path, variant, mode="json:" + json.dumps(spec))
+    plain = plain_minibatch_updates(tiny_model_dir, config, teacher=tiny_llama_dir)
+    metrics = result["metrics"]
+    assert metrics["train/objective"] == pytest.approx(sum(loss for loss, _ in plain) / 2, abs=1e-5)
+    assert metrics["train/grad_norm"] == pytest.approx(sum(norm for _, norm in plain) / 2, rel=1e-3)
+    # the teacher is another model: the advantages (teacher − student logprobs) are far from 0
+    assert metrics["train/advantage_abs_mean"] > 0.1 and metrics["train/grad_norm"] > 1e-2

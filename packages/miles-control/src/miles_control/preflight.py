@@ -67,6 +67,8 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     except ValueError as exc:
         raise JobCheckError(f"rollout.reward: {exc}") from None
     check_episodes(spec, hf_config)
+    if spec.train.teacher is not None:
+        check_teacher(spec, hf_config)
     from miles_train.objectives import build_objective
 
     try:  # a user objective imports and constructs here, in the driver, before any actor starts
@@ -115,6 +117,27 @@ def check_episodes(spec: JobSpec, hf_config) -> None:
             f"rollout.multi_turn.max_total_tokens: {rollout.multi_turn.max_total_tokens} is more than the model's "
             f"context (config.json max_position_embeddings: {context})"
         )
+
+
+def check_teacher(spec: JobSpec, hf_config) -> None:
+    """distill's teacher: an HF folder the backend can build, scoring the student's token ids (the same vocabulary)."""
+    from transformers import AutoConfig
+
+    from miles_train.backends import check_model as check_backend_model
+
+    folder = Path(str(spec.train.teacher))
+    if not (folder / "config.json").exists():
+        raise JobCheckError(f"train.teacher: {folder} is not an HF model folder (no config.json)")
+    teacher = AutoConfig.from_pretrained(str(folder))
+    if teacher.vocab_size != hf_config.vocab_size:
+        raise JobCheckError(
+            f"train.teacher: its vocabulary has {teacher.vocab_size} ids, the student's {hf_config.vocab_size}: the "
+            "teacher must score the student's token ids (the same tokenizer)"
+        )
+    try:
+        check_backend_model(spec.train.backend, teacher)
+    except ValueError as exc:
+        raise JobCheckError(f"train.teacher {folder}: {exc}") from None
 
 
 def check_precision(spec: JobSpec, model_path: Path) -> None:

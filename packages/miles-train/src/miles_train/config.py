@@ -144,8 +144,8 @@ class GRPOConfig(_Strict):
         return self.tis_cap is not None or self.mis_band is not None
 
 
-ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "sft")
-RL_ALGORITHMS = ALGORITHMS[:-1]  # what `miles bench algorithms` compares by default
+ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "distill", "sft")
+RL_ALGORITHMS = ALGORITHMS[:6]  # what `miles bench algorithms` compares by default (distill needs a teacher)
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
 
@@ -160,8 +160,10 @@ class AlgorithmConfig(_Strict):
         description="A built-in (grpo: group mean and std; dr_grpo: group mean, no std, sequence-sum aggregation; "
         "gspo: sequence-level ratio and clipping; rloo: leave-one-out baseline; reinforce_pp: REINFORCE++ with "
         "token returns normalised over the global batch and the KL in the reward; reinforce_pp_baseline: the same "
-        "after subtracting each group's mean reward; sft: the negative log-likelihood of the responses, for "
-        "`kind: sft`), or a dotted path `package.module:Name` to a user objective "
+        "after subtracting each group's mean reward; distill: on-policy distillation, each token's advantage the "
+        "teacher's log-probability of it less the student's (the per-token reverse KL to train.teacher); sft: the "
+        "negative log-likelihood of the responses, for `kind: sft`), or a dotted path `package.module:Name` to a "
+        "user objective "
         "class with the same contract (miles_train.objectives.Objective).",
     )
     aggregation: Aggregation | None = Field(
@@ -253,6 +255,12 @@ class TrainConfig(_Strict):
         description="The objective (advantages, policy loss, aggregation): a mapping, or just the algorithm's name "
         "(`algorithm: gspo`).",
     )
+    teacher: str | None = Field(
+        None,
+        description="algorithm distill: the teacher, an HF model folder with the student's vocabulary. The trainer "
+        "holds it frozen beside the policy (as it holds the KL reference) and scores the student's samples with it; "
+        "it is read from this folder again on a resume.",
+    )
     policy_weights: Literal["auto", "master", "pushed"] = Field(
         "auto",
         description="The weights the trainer's forward passes use. pushed: the master weights rounded to the dtype "
@@ -272,6 +280,29 @@ class TrainConfig(_Strict):
             if old == "bf16":
                 data.setdefault("precision", "bf16")
         return data
+
+    @model_validator(mode="after")
+    def _teacher_for_distill(self) -> TrainConfig:
+        distill = self.algorithm.name == "distill"
+        if distill and not self.teacher:
+            raise ValueError("algorithm distill needs train.teacher: the teacher's HF model folder")
+        if self.teacher and not distill:
+            raise ValueError(f"train.teacher is the teacher of algorithm distill; this job's is {self.algorithm.name}")
+        if distill and self.grpo.kl_coef > 0:
+            raise ValueError(
+                "algorithm distill: the frozen model is the teacher, so grpo.kl_coef must be 0 (the distillation "
+                "signal already is the KL to the teacher)"
+            )
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the trainer holds a frozen second model: the KL reference, or the distillation teacher."""
+        return self.grpo.kl_coef > 0 or self.teacher is not None
+
+    def reference_path(self, model_path: str) -> str:
+        """Where the frozen model is read from: the teacher's folder, else the policy's checkpoint."""
+        return self.teacher or str(model_path)
 
     @model_validator(mode="after")
     def _backend_can(self) -> TrainConfig:

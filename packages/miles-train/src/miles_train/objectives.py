@@ -24,6 +24,7 @@ Formulas, with ρ = π/π_old per token, A the advantage and groups of G samples
 - reinforce_pp (Hu 2025, REINFORCE++): token reward −β·KL_t with the sequence's reward added at its last token,
   return G_t = Σ_{s≥t} reward_s, A = (G_t − mean) / (std + ε) over every token of the global batch.
   reinforce_pp_baseline subtracts each group's mean reward before the returns.
+- distill (on-policy distillation): A_t = log π_teacher(y_t) − log π_old(y_t), per token.
 - sft: −log π of every response token (supervised fine-tuning; `kind: sft` makes the labels the responses).
 Groups of one sample, and groups (or batches, for reinforce_pp) whose values all agree, get advantages of exactly 0.
 """
@@ -167,6 +168,10 @@ class AdvantageInputs:
     mask: torch.Tensor  # [B, W] float: 1 on trained response tokens (W: the batch's padded width − 1)
     kl_penalty: torch.Tensor | None  # [B, W] kl_coef × KL estimate of each token under the old policy, when in reward
     normalize_std: bool = True  # train.grpo.normalize_std (grpo's)
+    # for an objective with `needs_logprobs`: [B, W] the behaviour policy's and the frozen model's (the reference,
+    # or distill's teacher) log-probability of each sampled token, no gradient
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
 
     def sequence_rewards(self) -> torch.Tensor:
         """Rewards less each sequence's summed KL penalty (when the KL is in the reward)."""
@@ -194,6 +199,7 @@ class Objective:
     name: ClassVar[str] = "objective"
     aggregation: ClassVar[str] = "token_mean"
     kl_in_reward: ClassVar[bool] = False
+    needs_logprobs: ClassVar[bool] = False  # AdvantageInputs carries the whole batch's old and frozen-model logprobs
 
     def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
         raise NotImplementedError
@@ -260,6 +266,21 @@ class ReinforcePPBaseline(ReinforcePP):
     group_baseline = True
 
 
+class Distill(Objective):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Lu & Thinking Machines 2025): the student samples, the
+    teacher (train.teacher) scores every sampled token, and each token's advantage is log π_teacher − log π_student
+    under the behaviour policy: minus the per-token reverse KL, so the policy-gradient step lowers KL(π‖π_teacher)
+    token by token (no discount over later tokens). The clipped ratio loss keeps the update near π_old."""
+
+    name = "distill"
+    needs_logprobs = True
+
+    def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
+        if inputs.ref_logprobs is None or inputs.old_logprobs is None:
+            raise ValueError("distill: the teacher's logprobs are missing (train.teacher is not loaded)")
+        return (inputs.ref_logprobs.double() - inputs.old_logprobs.double()) * inputs.mask
+
+
 class SFT(Objective):
     """Supervised fine-tuning (`kind: sft`): the negative log-likelihood of the response tokens; no advantage."""
 
@@ -273,7 +294,7 @@ class SFT(Objective):
 
 
 BUILTINS: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (GRPO, DrGRPO, GSPO, RLOO, ReinforcePP, ReinforcePPBaseline, SFT)
+    cls.name: cls for cls in (GRPO, DrGRPO, GSPO, RLOO, ReinforcePP, ReinforcePPBaseline, Distill, SFT)
 }
 assert set(BUILTINS) == set(ALGORITHMS), "config.ALGORITHMS lists the built-ins"
 

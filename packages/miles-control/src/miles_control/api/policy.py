@@ -98,6 +98,10 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
 
     if data["model"]["source"] == "path":
         data["model"]["path"] = confined(settings.model_root, data["model"]["path"], ("model", "path"), "model folder")
+    if data["train"].get("teacher") is not None:  # distill's teacher: a model folder like model.path
+        data["train"]["teacher"] = confined(
+            settings.model_root, data["train"]["teacher"], ("train", "teacher"), "teacher folder"
+        )
     for key in ("path", "eval_path"):
         data["data"][key] = confined(settings.data_root, data["data"][key], ("data", key), "prompt file")
     if data["data"]["chat_template"] not in ("none", "model"):  # a Jinja file, read by the driver

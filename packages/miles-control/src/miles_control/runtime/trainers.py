@@ -37,6 +37,8 @@ class TrainerGroup:
         ip, port = ray.get(ray.remote(free_port_and_ip).options(num_cpus=0, scheduling_strategy=on_bundle(0)).remote())
         actor = ray.remote(TrainerWorker)
         spec_dict = spec.model_dump(mode="json")
+        if spec.train.teacher is not None:  # as the driver sees it: a rank's working folder may be another
+            spec_dict["train"]["teacher"] = str(Path(spec.train.teacher).resolve())
         self.ranks = [
             actor.options(**trainer_rank_options(plan, self.placement_group, rank), name=None).remote(
                 spec_dict,

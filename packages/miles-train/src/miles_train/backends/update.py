@@ -86,6 +86,7 @@ class GRPOBackend:
         self.step = 0
         self._diffs: list[torch.Tensor] = []  # |trainer − engine| logprob of the tokens of the current train_step
         self.objective = build_objective(config.algorithm)
+        self._frozen_kl: float | None = None  # of the last step, for an objective that reads the frozen model
         algorithm = config.algorithm
         self.aggregation = algorithm.aggregation or self.objective.aggregation
         self.kl_in_reward = self.objective.kl_in_reward if algorithm.kl_in_reward is None else algorithm.kl_in_reward
@@ -262,19 +263,26 @@ class GRPOBackend:
     def _advantages(self, batch: TrainBatch, old_logprobs: torch.Tensor | None) -> torch.Tensor:
         """[B, W] advantages of the whole batch from the objective (checked), W the batch's padded width − 1."""
         algorithm, kl_coef = self.config.algorithm, self.config.grpo.kl_coef
-        mask = collate(batch, self.pad_token_id).loss_mask
-        penalty = None
-        if self.kl_in_reward and self.reference is not None:  # the KL of the samples under the behaviour policy
-            old = old_logprobs if old_logprobs is not None else collate(batch, self.pad_token_id).rollout_logprobs
+        whole = collate(batch, self.pad_token_id)
+        mask = whole.loss_mask
+        penalty = old = ref = None
+        wanted = self.objective.needs_logprobs
+        if (self.kl_in_reward or wanted) and self.reference is not None:  # under the behaviour policy
+            old = old_logprobs if old_logprobs is not None else whole.rollout_logprobs
             ref = self._padded_logprobs(batch, model=self.reference)
-            penalty = kl_coef * kl_estimate(old, ref, algorithm.kl_estimator) * mask
+            if self.kl_in_reward and kl_coef > 0:
+                penalty = kl_coef * kl_estimate(old, ref, algorithm.kl_estimator) * mask
         inputs = AdvantageInputs(
             rewards=torch.tensor(batch.rewards, dtype=torch.float64),
             group_index=list(batch.group_index),
             mask=mask,
             kl_penalty=penalty,
             normalize_std=self.config.grpo.normalize_std,
+            old_logprobs=old if wanted else None,
+            ref_logprobs=ref if wanted else None,
         )
+        if wanted and old is not None and ref is not None:  # distill: k1 estimate of KL(student ‖ teacher) per token
+            self._frozen_kl = float(((old - ref) * mask).sum() / mask.sum().clamp(min=1))
         value = self.objective.advantages(inputs)
         return check_advantages(algorithm.name, value, len(batch), mask.shape[1], mask)
 
@@ -293,6 +301,7 @@ class GRPOBackend:
         grad_norms = []
         # The ratio's denominator is the policy the engines ran: the weights as pushed, whatever the forward uses.
         old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
+        self._frozen_kl = None
         advantages = self._advantages(batch, old_logprobs)
         before = [p.detach().clone() for p in self._param_shards()] if self.push_dtype is not None else None
         skips = self.overflow_skips
@@ -322,6 +331,8 @@ class GRPOBackend:
         metrics["train/num_tokens"] = total_tokens
         full_mask = collate(batch, self.pad_token_id).loss_mask
         metrics["train/advantage_abs_mean"] = float((advantages.abs() * full_mask).sum() / full_mask.sum().clamp(min=1))
+        if self._frozen_kl is not None:
+            metrics["train/teacher_kl"] = self._frozen_kl  # mean over the batch's tokens of log π_old − log π_teacher
         metrics["train/tis_max"] = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]
         metrics["train/sample_weight_mean"] = float(sample_weights.mean())
         metrics["train/logprob_diff_p99"] = self._quantile(self._diffs, 0.99)
@@ -378,7 +389,7 @@ class GRPOBackend:
         pg = pg * sample_weights[local].to(self.device)[:, None]
         per_token = pg
         kl = torch.zeros_like(pg)
-        if self.reference is not None:
+        if self.reference is not None and grpo.kl_coef > 0:
             with torch.no_grad():
                 ref_logprobs, _ = self._token_logprobs(self.reference, c, batch.temperature)
             kl = kl_estimate(logprobs, ref_logprobs, algorithm.kl_estimator)

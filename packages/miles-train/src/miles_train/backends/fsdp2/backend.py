@@ -50,8 +50,8 @@ class FSDP2Backend(GRPOBackend):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
         )
-        if config.grpo.kl_coef > 0:
-            self.reference = self._load(model_path).eval().requires_grad_(False)
+        if config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher
+            self.reference = self._load(config.reference_path(model_path)).eval().requires_grad_(False)
         self.scaler = None
         if config.precision == "fp16":  # dynamic loss scaling; found-inf is agreed on across the ranks
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

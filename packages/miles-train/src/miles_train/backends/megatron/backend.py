@@ -58,13 +58,25 @@ class MegatronBackend(GRPOBackend):
         self.model = parallelize.wrap_ddp(self.transformer_config, model)
         self.model.train()
         self.optimizer = self._build_optimizer()
-        if config.grpo.kl_coef > 0:
-            reference = parallelize.build(
-                self.hf_config, hf_state, self.tp, self.tp_rank, self.device, self.transformer_config
-            )
-            self.reference = reference.eval().requires_grad_(False)
+        if config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
+            self.reference = self._build_frozen(config.teacher, hf_state).eval().requires_grad_(False)
 
     # ---- construction --------------------------------------------------------------------------
+    def _build_frozen(self, teacher: str | None, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """The checkpoint again (the KL reference), or the teacher from its folder with its own shape, split over
+        the same tensor-parallel ranks."""
+        if teacher is None:
+            return parallelize.build(
+                self.hf_config, hf_state, self.tp, self.tp_rank, self.device, self.transformer_config
+            )
+        from transformers import AutoConfig
+
+        teacher_config = AutoConfig.from_pretrained(teacher)
+        convert.check_supported(teacher_config, self.tp)
+        transformer_config = convert.transformer_config(teacher_config, self.tp, self.config.precision)
+        state = read_hf_state(teacher)
+        return parallelize.build(teacher_config, state, self.tp, self.tp_rank, self.device, transformer_config)
+
     def _init_rng(self, config: TrainConfig) -> None:
         from megatron.core import tensor_parallel
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -71,17 +72,35 @@ class TorchtitanBackend(GRPOBackend):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
         )
-        if config.grpo.kl_coef > 0:
-            self.reference = self._build(hf_state).eval().requires_grad_(False)
+        if config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
+            self.reference = self._build_frozen(config.teacher, hf_state).eval().requires_grad_(False)
 
-    def _build(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        model = parallelize.build(self.model_config, self.layout, self.device, self.config.precision)
-        set_model_state_dict(model, self._from_hf(hf_state), options=StateDictOptions(full_state_dict=True))
+    def _build(
+        self, hf_state: dict[str, torch.Tensor], model_config: Any = None, adapter: Any = None
+    ) -> torch.nn.Module:
+        model_config = self.model_config if model_config is None else model_config
+        model = parallelize.build(model_config, self.layout, self.device, self.config.precision)
+        state = self._from_hf(hf_state, adapter)
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
         return model
 
-    def _from_hf(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _build_frozen(self, teacher: str | None, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """The checkpoint again (the KL reference), or the teacher from its folder with its own shape (the same
+        vocabulary, padded alike), laid out over the same ranks."""
+        if teacher is None:
+            return self._build(hf_state)
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+        from transformers import AutoConfig
+
+        teacher_config = AutoConfig.from_pretrained(teacher)
+        convert.check_supported(teacher_config, self.tp)
+        model_config = convert.model_config(teacher_config, self.padded_vocab)
+        set_qwen3_sharding_config(model_config, enable_sp=False, enable_ep=False)
+        return self._build(read_hf_state(teacher), model_config, convert.state_dict_adapter(model_config))
+
+    def _from_hf(self, hf_state: dict[str, torch.Tensor], adapter: Any = None) -> dict[str, torch.Tensor]:
         padded = {name: pad_rows(t, self.padded_vocab) if name in _VOCAB_ROWS else t for name, t in hf_state.items()}
-        return self.adapter.from_hf(padded)
+        return (self.adapter if adapter is None else adapter).from_hf(padded)
 
     def _to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors (a tied head is the embedding: the adapter leaves it out, as miles_sync's
