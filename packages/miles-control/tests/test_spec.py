@@ -188,3 +188,20 @@ def test_kind_sft_fills_what_supervised_fine_tuning_needs_and_refuses_contradict
         JobSpec.model_validate({"name": "s", "rollout": {"generate": "supervised"}})
     with pytest.raises(ValueError, match="kind"):
         JobSpec.model_validate({"name": "s", "kind": "distill"})
+
+
+def test_dynamic_sampling_and_the_overlong_penalty_are_refused_where_they_mean_nothing():
+    from miles_control.config import JobSpec
+
+    with pytest.raises(ValueError, match="but train.grpo.tis_cap is 2.0"):
+        JobSpec.model_validate({"name": "s", "kind": "sft", "train": {"grpo": {"tis_cap": 2.0}}})
+    with pytest.raises(ValueError, match="rollout.sampling.temperature is 0.7"):
+        JobSpec.model_validate({"name": "s", "kind": "sft", "rollout": {"sampling": {"temperature": 0.7}}})
+    distill = {"algorithm": "distill", "teacher": "t"}
+    with pytest.raises(ValueError, match="distill learns from the teacher's logprobs"):
+        JobSpec.model_validate({"name": "s", "train": distill, "rollout": {"dynamic_sampling": {}}})
+    with pytest.raises(ValueError, match="less than or equal to 8"):
+        JobSpec.model_validate({"name": "s", "rollout": {"dynamic_sampling": {"oversample": 100}}})
+    episodes = {"generate": "multi_turn", "environment": "m:E", "overlong_penalty": {"buffer": 2}}
+    with pytest.raises(ValueError, match="overlong_penalty: measures a single-turn response"):
+        JobSpec.model_validate({"name": "s", "rollout": episodes})

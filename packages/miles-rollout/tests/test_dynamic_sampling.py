@@ -102,7 +102,7 @@ class StaggeredEngine:
         return list(await asyncio.gather(*(self._one(r) for r in requests)))
 
     async def _one(self, request):
-        group = int(request.request_id.split(":")[1].split("-")[0])
+        group = int(request.request_id.split(":")[2].split("-")[0])  # client prefix : count : group-sample
         event = self._events.setdefault(request.request_id, asyncio.Event())
         try:
             await asyncio.wait_for(event.wait(), timeout=0.05 * (group + 1))

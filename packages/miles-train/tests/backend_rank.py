@@ -13,7 +13,7 @@ with staleness 0, 1, 2 within each group. `pushed` tells the backend that the en
 `qat-FORMAT` sets train.quantization (int4 groups of 32); `mis` masks tokens whose ratio leaves [0.4, 3] on the
 off-policy batch.
 `json:{...}` takes one step with train.algorithm, train.grpo entries and the learning rate from the JSON
-(`{"algorithm": {...}, "grpo": {...}, "lr": 1e-12, "teacher": DIR, "expect_error": true}`); an expected error is
+(`{"algorithm": {...}, "grpo": {...}, "lr": 1e-12, "teacher": DIR, "batch": "offpolicy", "expect_error": true}`); an expected error is
 recorded with the weights after it instead of failing the rank.
 """
 
@@ -102,7 +102,8 @@ def main() -> None:
     )
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")
     if custom:
-        one_step(backend, rank, out, custom.get("expect_error", False))
+        batch = offpolicy_batch() if custom.get("batch") == "offpolicy" else contract_batch()
+        one_step(backend, rank, out, custom.get("expect_error", False), batch)
         return
     if mode == "pushed":
         backend.set_push_dtype("bfloat16")
@@ -126,9 +127,8 @@ def main() -> None:
         torch.save(result, out)
 
 
-def one_step(backend, rank: int, out: str, expect_error: bool) -> None:
-    """One step on the contract batch: its metrics and the weights before and after (or the error it raised)."""
-    batch = contract_batch()
+def one_step(backend, rank: int, out: str, expect_error: bool, batch: TrainBatch) -> None:
+    """One step on `batch`: its metrics and the weights before and after (or the error it raised)."""
     result = {"initial": snapshot(backend)}
     try:
         result["metrics"] = backend.train_step(batch)

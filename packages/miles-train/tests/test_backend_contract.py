@@ -373,8 +373,11 @@ def test_engines_in_bf16_the_trainer_trains_the_weights_as_pushed(variant, world
 
 
 # Each objective with a loss option, on 2 data-parallel ranks and 2 minibatches (rows 0, 2, 4 then 1, 3, 5), against
-# the same update written plainly on one unsharded model: the aggregated loss (train/objective) and the gradient norm
-# of each minibatch. lr 1e-12 keeps the second minibatch's weights those of the first to ~1e-12.
+# the same update written plainly on one unsharded model: the aggregated loss (train/objective, the mean of the two
+# minibatches') and the mean gradient norm of the two. lr 1e-12 keeps the second minibatch's weights those of the
+# first to ~1e-12. The ratio's denominator is the off-policy batch's rollout logprobs (−2 and −4, the model's are
+# near −2.8): ratios near 0.45 and 3.3, so the clip and the dual clip (c = 3) bite, and a KL in the reward (under
+# those logprobs, against the checkpoint) is not 0.
 OBJECTIVES = [
     ("grpo", {}),
     ("dr_grpo", {"entropy_coef": 0.01}),
@@ -393,11 +396,13 @@ def plain_minibatch_updates(model_dir, config: AlgorithmConfig, teacher=None) ->
     kl_coef = 0.0 if teacher else 0.1
     objective = build_objective(config)
     kl_in_reward = objective.kl_in_reward if config.kl_in_reward is None else config.kl_in_reward
-    batch = contract_batch()
+    batch = contract_batch() if teacher else offpolicy_batch()
     whole = collate(batch)
     with torch.no_grad():
-        old, _ = token_logprobs(model, whole)
+        old, _ = token_logprobs(model, whole)  # distill recomputes π_old; the others take the rollout's
         ref, _ = token_logprobs(reference, whole)
+    if not teacher:
+        old = whole.rollout_logprobs
     penalty = kl_coef * kl_estimate(old, ref, config.kl_estimator) * whole.loss_mask if kl_in_reward else None
     inputs = AdvantageInputs(
         torch.tensor(batch.rewards, dtype=torch.float64), batch.group_index, whole.loss_mask, penalty
@@ -430,14 +435,15 @@ def plain_minibatch_updates(model_dir, config: AlgorithmConfig, teacher=None) ->
 @pytest.mark.parametrize(("name", "options"), OBJECTIVES, ids=[f"{n}-{'-'.join(o) or 'plain'}" for n, o in OBJECTIVES])
 def test_each_objective_split_over_ranks_and_minibatches_matches_plain_pytorch(name, options, tiny_model_dir, tmp_path):
     config = AlgorithmConfig(name=name, **options)
-    spec = {"algorithm": config.model_dump(), "grpo": {"num_minibatches": 2}, "lr": 1e-12}
+    grpo = {"num_minibatches": 2, "old_logprobs": "rollout"}
+    spec = {"algorithm": config.model_dump(), "grpo": grpo, "lr": 1e-12, "batch": "offpolicy"}
     result = run_ranks(tiny_model_dir, 2, tmp_path, mode="json:" + json.dumps(spec))
     plain = plain_minibatch_updates(tiny_model_dir, config)
     metrics = result["metrics"]
     assert metrics["train/objective"] == pytest.approx(sum(loss for loss, _ in plain) / 2, abs=1e-6)
     assert metrics["train/grad_norm"] == pytest.approx(sum(norm for _, norm in plain) / 2, rel=1e-4)
-    # a step with a signal (the objective itself may be 0: at ratio 1 GSPO's two minibatch losses cancel here)
-    assert metrics["train/grad_norm"] > 1e-2
+    assert metrics["train/grad_norm"] > 1e-2  # a step with a signal
+    assert 0 < metrics["train/clipfrac"] < 1  # the clip bites on some tokens: the test has teeth
 
 
 @pytest.mark.parametrize(

@@ -379,15 +379,26 @@ class JobSpec(_Strict):
                     ("train.algorithm", algorithm, "sft"),
                     ("rollout.num_samples_per_prompt", rollout.num_samples_per_prompt, 1),
                     ("rollout.dynamic_sampling", rollout.dynamic_sampling, None),
+                    ("rollout.sampling.temperature", rollout.sampling.temperature, 1.0),  # the likelihood's
+                    ("train.grpo.tis_cap", self.train.grpo.tis_cap, None),  # the rollout logprobs are unknown (0)
+                    ("train.grpo.mis_band", self.train.grpo.mis_band, None),
                 )
                 if value != wanted
             ]
             if wrong:
                 raise ValueError(
                     "kind: sft trains on the labels as responses (rollout.generate: supervised, train.algorithm: sft, "
-                    f"one sample per prompt, no dynamic sampling), but {'; '.join(wrong)}"
+                    "one sample per prompt at temperature 1, no dynamic sampling, no correction of rollout logprobs), "
+                    f"but {'; '.join(wrong)}"
                 )
-        elif rollout.generate == "supervised" or algorithm == "sft":
+        if rollout.dynamic_sampling is not None and algorithm == "distill":
+            raise ValueError(
+                "rollout.dynamic_sampling drops groups whose rewards agree; distill learns from the teacher's "
+                "logprobs, not the rewards: turn one of them off"
+            )
+        if rollout.generate == "supervised" or algorithm == "sft":
+            if self.kind == "sft":
+                return self
             raise ValueError(
                 "rollout.generate: supervised and train.algorithm: sft are supervised fine-tuning: set kind: sft "
                 "(they make no sense apart: an RL objective on the labels, or the labels' likelihood of samples)"

@@ -37,6 +37,7 @@ class EngineClient:
         self._prefix = uuid.uuid4().hex[:8]  # request ids unique across clients of one engine (SGLang's rid)
         self._in_flight: dict[str, asyncio.Future] = {}  # sent to the engine, not answered yet
         self.num_aborted = 0  # requests ended by abort_outstanding()
+        self.closed = False  # after abort_outstanding(): new requests end at once, aborted (an episode's next turn)
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str = "") -> GenerateResult:
         """The engine's result for `input_ids` (its output ids, their logprobs, the finish reason, the weight
@@ -46,7 +47,12 @@ class EngineClient:
         if not input_ids:
             raise ValueError(f"{where} is empty")
         self._count += 1
-        request = GenerateRequest(list(input_ids), sampling, request_id=f"{self._prefix}:{request_id or self._count}")
+        # unique whatever the caller names it (SGLang's rid; abort_outstanding finds requests by it)
+        rid = f"{self._prefix}:{self._count}:{request_id}" if request_id else f"{self._prefix}:{self._count}"
+        request = GenerateRequest(list(input_ids), sampling, request_id=rid)
+        if self.closed:
+            self.num_aborted += 1
+            return GenerateResult(request.request_id, [], [], FinishReason.ABORT, [])
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         if not self.batch_calls:
             return await self._alone(request, future)
@@ -107,15 +113,17 @@ class EngineClient:
     async def abort_outstanding(self) -> int:
         """End every request not answered yet: those still waiting for a batch at once (no output, finish reason
         `abort`), those in the engine through its `abort_requests` where it has one (SGLang's /abort_request, the hf
-        engine's per-request flag; they return what they generated so far, finish reason `abort`). Returns how many
-        requests were ended; their callers get the aborted results."""
+        engine's per-request flag; they return what they generated so far, finish reason `abort`); and close the
+        client: a request made afterwards (an episode's next turn) ends at once, aborted. A request still on its way
+        to a server when the abort is sent may run to its end. Returns how many requests were ended."""
+        self.closed = True
         waiting, self._pending = self._pending, []
         for request, future in waiting:
             if not future.done():
                 future.set_result(GenerateResult(request.request_id, [], [], FinishReason.ABORT, []))
-        running = [rid for rid, future in self._in_flight.items() if not future.done()]
         abort = getattr(self.engine, "abort_requests", None)
-        if running and abort is not None:
-            await abort(running)
+        running = [rid for rid, future in self._in_flight.items() if not future.done()] if abort else []
+        if running:
+            await abort(running)  # type: ignore[misc]
         self.num_aborted += len(waiting) + len(running)
         return len(waiting) + len(running)

@@ -148,11 +148,13 @@ class DynamicSamplingConfig(_Strict):
     """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards all agree carry no advantage, so they are
     dropped, and the step is filled with informative groups instead. Each round launches `oversample` × the groups
     still missing; once the step has its `num_prompts_per_step` groups the requests still running are aborted in the
-    engine. After `max_rounds` rounds a step still short is filled with dropped groups (their advantages are exactly
-    0: no gradient) and `rollout/ds_padded_groups` counts them."""
+    engine. A round starts once the one before has drained. After `max_rounds` rounds a step still short is filled
+    with dropped groups (their rewards agree: a group-baseline algorithm gives them advantages of exactly 0, though
+    reinforce_pp's global normalisation, a KL in the reward and the entropy bonus still act on them) and
+    `rollout/ds_padded_groups` counts them."""
 
-    oversample: float = Field(1.5, ge=1.0, description="Prompts launched per group still missing, each round.")
-    max_rounds: int = Field(4, ge=1, description="Rounds of generation per step before it is padded.")
+    oversample: float = Field(1.5, ge=1.0, le=8.0, description="Prompts launched per group still missing, each round.")
+    max_rounds: int = Field(4, ge=1, le=16, description="Rounds of generation per step before it is padded.")
 
 
 class OverlongPenaltyConfig(_Strict):
@@ -206,6 +208,11 @@ class RolloutConfig(_Strict):
             raise ValueError("reward: remote needs rollout.remote_reward (at least its url)")
         if self.dynamic_sampling is not None and self.num_samples_per_prompt < 2:
             raise ValueError("dynamic_sampling: needs num_samples_per_prompt ≥ 2 (a group of one never varies)")
+        if self.overlong_penalty is not None and self.generate == "multi_turn":
+            raise ValueError(
+                "overlong_penalty: measures a single-turn response against sampling.max_new_tokens; an episode's "
+                "response holds several turns and the environment's tokens (multi_turn.max_total_tokens bounds it)"
+            )
         if self.overlong_penalty is not None and self.overlong_penalty.buffer > self.sampling.max_new_tokens:
             raise ValueError(
                 f"overlong_penalty.buffer: {self.overlong_penalty.buffer} is more than sampling.max_new_tokens "

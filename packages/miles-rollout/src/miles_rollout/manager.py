@@ -92,7 +92,7 @@ class RolloutManager:
         samples = [s for group in await asyncio.gather(*calls) for s in group]
         generated = time.time()
         num_tokens = sum(len(s.response_ids) for s in samples)
-        await self._score(samples)
+        await self._score(samples, evaluating)
         scored = time.time()
         return RolloutBatch(
             samples,
@@ -103,10 +103,11 @@ class RolloutManager:
             sampling=sampling,
         )
 
-    async def _score(self, samples: list[Sample]) -> None:
-        """The reward of each sample, less the overlong penalty where it is on."""
+    async def _score(self, samples: list[Sample], evaluating: bool = False) -> None:
+        """The reward of each sample, less the overlong penalty where it is on (training only: a held-out answer
+        is scored as it is)."""
         for sample, reward in zip(samples, await score_all(self.reward_fn, samples, self.config.reward), strict=True):
-            sample.reward = reward - self._overlong(sample)
+            sample.reward = reward - (0.0 if evaluating else self._overlong(sample))
 
     def _overlong(self, sample: Sample) -> float:
         """DAPO's soft overlong punishment of `rollout.overlong_penalty` (0 when off or short enough)."""
@@ -144,8 +145,11 @@ class RolloutManager:
         launches = drawn = finished_samples = surplus_done = generated_tokens = 0
         try:
             while len(kept) < num_groups:
-                missing = num_groups - len(kept) - len(running)
-                if missing > 0 and launches < ds.max_rounds:
+                # A round is launched once the one before has drained (DAPO's generate, filter, repeat): topping up
+                # as each group is dropped would spend the rounds on one or two prompts each where requests finish
+                # one by one (SGLang).
+                missing = num_groups - len(kept)
+                if not running and launches < ds.max_rounds:
                     for record in draw(math.ceil(missing * ds.oversample)):
                         task = asyncio.ensure_future(self._scored_group(record, client, sampling, drawn, n))
                         running[task], drawn = record, drawn + 1
@@ -157,7 +161,8 @@ class RolloutManager:
                     record, samples = running.pop(finished), finished.result()
                     finished_samples += len(samples)
                     generated_tokens += sum(len(s.response_ids) for s in samples)
-                    if len({s.reward for s in samples}) == 1:
+                    scored = [s for s in samples if s.status != SampleStatus.ABORTED]
+                    if len({s.reward for s in scored}) <= 1:  # all agree (or none was scored): no signal
                         dropped.append((record, samples))
                     elif len(kept) < num_groups:
                         kept.append((record, samples))
@@ -200,8 +205,9 @@ class RolloutManager:
         """The `n` samples of one prompt, scored (an aborted sample keeps reward 0 and its ABORTED status)."""
         parts = await asyncio.gather(*(self._sample(record, client, sampling, group, k) for k in range(n)))
         samples = [s for part in parts for s in part]
-        if all(s.status != SampleStatus.ABORTED for s in samples):  # an aborted (surplus) group is not scored
-            await self._score(samples)
+        finished = [s for s in samples if s.status != SampleStatus.ABORTED]  # an aborted sample has no reward
+        if finished and not client.closed:  # a surplus group, ended by the abort, is not scored
+            await self._score(finished)
         return samples
 
     async def _sample(

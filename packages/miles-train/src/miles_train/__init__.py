@@ -1,4 +1,4 @@
-"""miles_train: trainer backends (FSDP2, Megatron-core, torchtitan), GRPO losses, supervised warm start, weight export.
+"""miles_train: trainer backends (FSDP2, Megatron-core, torchtitan), objectives (train.algorithm), supervised warm start, weight export.
 
 Exports load lazily, so `miles_train.config` stays importable without torch.
 """
@@ -7,8 +7,18 @@ from miles_sync.lazy import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(
-        ["FSDP2Config", "GRPOConfig", "MegatronConfig", "OptimizerConfig", "TorchtitanConfig", "TrainConfig"], "config"
+        [
+            "AlgorithmConfig",
+            "FSDP2Config",
+            "GRPOConfig",
+            "MegatronConfig",
+            "OptimizerConfig",
+            "TorchtitanConfig",
+            "TrainConfig",
+        ],
+        "config",
     ),
+    **dict.fromkeys(["AdvantageInputs", "LossInputs", "Objective", "build_objective"], "objectives"),
     "build_backend": "backends",
     "TrainerBackend": "protocol",
     "TrainBatch": "types",

@@ -141,7 +141,7 @@ def aggregate(
 ) -> torch.Tensor:
     """One loss from per-token losses [b, W]. `num_tokens` / `num_sequences` count the whole minibatch on every rank
     (sequences with at least one trained token), so the sum of each rank's result is the loss of the unsplit batch."""
-    masked = per_token * mask
+    masked = torch.where(mask.bool(), per_token, 0.0)  # not per_token × mask: a NaN off the mask would survive
     if mode == "token_mean":
         return masked.sum() / max(num_tokens, 1.0)
     per_sequence = masked.sum(1)
@@ -344,7 +344,7 @@ def check_advantages(name: str, value: Any, batch_size: int, width: int, mask: t
     if bad.any():
         row, col = (int(i) for i in torch.nonzero(bad)[0])
         raise ObjectiveError(f"objective {name}: advantage of sample {row} token {col} is {float(value[row, col])}")
-    return value.float()
+    return torch.where(mask.bool(), value, 0.0).float()  # what lies off the mask (padding, a tool turn) never counts
 
 
 def check_loss(name: str, value: Any, logprobs: torch.Tensor, mask: torch.Tensor, values: bool) -> torch.Tensor:
@@ -368,6 +368,7 @@ def check_loss(name: str, value: Any, logprobs: torch.Tensor, mask: torch.Tensor
         if bad.any():
             row, col = (int(i) for i in torch.nonzero(bad)[0])
             raise ObjectiveError(
-                f"objective {name}: policy loss {tuple(loss.shape)} is {float(loss[row, col])} at row {row} token {col}"
+                f"objective {name}: policy loss {tuple(loss.shape)} is {float(loss[row, col].detach())} at row {row} "
+                f"token {col}"
             )
     return loss

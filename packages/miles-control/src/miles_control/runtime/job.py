@@ -341,8 +341,11 @@ class JobRuntime:
         directory = self.run_dir / "checkpoints" / f"step-{step}"
         start = time.time()
         self.save(directory)
-        # where the prompt stream stands (dynamic sampling draws a varying number of prompts per step)
-        (directory / ROLLOUT_STATE).write_text(json.dumps({"prompts_drawn": self.prompts_used}))
+        # where the prompt stream stands (dynamic sampling draws a varying number of prompts per step); the folder
+        # is the trainer's: on another node without a shared path the driver cannot write it, and a resume falls
+        # back to num_prompts_per_step a step
+        if directory.is_dir():
+            (directory / ROLLOUT_STATE).write_text(json.dumps({"prompts_drawn": self.prompts_used}))
         self.recorder.span("checkpoint", step, "trainer", start, time.time())
         self.recorder.checkpoint(step, self.weight_version, directory)
         return directory

@@ -231,6 +231,8 @@ class RolloutWorker:
         self._stream_error: BaseException | None = None
         self._next_group = 0
         self._counts: dict[str, float] = {}  # fully_async: generate_step's counts since the last take
+        self._counts_lock = threading.Lock()
+        self._fresh_drawn = 0  # prompts taken from the stream (regenerated ones once), for prompts_drawn
 
     def receiver_ranks(self) -> int:
         return self.engine.receiver_ranks()
@@ -254,12 +256,19 @@ class RolloutWorker:
         """Prompts to generate from: those the fully_async buffer gave back for regeneration first, then the stream."""
         take = min(num_prompts, len(self._regenerate))
         prompts = [self._regenerate.pop(0) for _ in range(take)]
-        return prompts + self.stream.next_batch(num_prompts - take)
+        fresh = self.stream.next_batch(num_prompts - take)
+        self._fresh_drawn += len(fresh)  # a regenerated prompt was counted when first drawn
+        return prompts + fresh
 
     def generate(self):
         """One step's batch (`rollout.dynamic_sampling`: its informative groups); `batch.metrics` has what it took."""
         batch, _ = asyncio.run(self.manager.generate_step(self._draw, self.config.num_prompts_per_step))
         return batch
+
+    def _stream_drawn(self) -> float:
+        """Fresh prompts drawn since the last call (what a checkpoint adds to where the stream stands)."""
+        drawn, self._fresh_drawn = self._fresh_drawn, 0
+        return float(drawn)
 
     # ---- fully_async: continuous generation into a bounded buffer -------------------------------
 
@@ -283,10 +292,12 @@ class RolloutWorker:
         try:
             while self._running.is_set():
                 batch, prompts = asyncio.run(self.manager.generate_step(self._draw, chunk_prompts))
+                batch.metrics["rollout/prompts_drawn"] = self._stream_drawn()  # regenerated prompts not again
                 self._timings += batch.timings
                 self._sampling = batch.sampling
-                for key, value in batch.metrics.items():  # counts since the last take
-                    self._counts[key] = self._counts.get(key, 0.0) + value
+                with self._counts_lock:  # take() swaps the counts out from another thread
+                    for key, value in batch.metrics.items():  # counts since the last take
+                        self._counts[key] = self._counts.get(key, 0.0) + value
                 by_group: dict[int, list] = {}
                 for sample in batch.samples:
                     by_group.setdefault(sample.group_index, []).append(sample)
@@ -329,7 +340,8 @@ class RolloutWorker:
                 samples.append(sample)
                 staleness.append(sample.staleness(trainer_version))
         timings, self._timings = self._timings, []
-        counts, self._counts = self._counts, {}
+        with self._counts_lock:
+            counts, self._counts = self._counts, {}
         batch = RolloutBatch(
             samples,
             timings=[*timings, StageTiming("wait_rollout", start, time.time())],

@@ -88,13 +88,15 @@ class HFEngine:
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         by_params = group_by_sampling(requests)
         results: list[GenerateResult | None] = [None] * len(requests)
-        for sampling, indices in by_params.items():
-            for start in range(0, len(indices), self.config.max_batch_size):
-                chunk = indices[start : start + self.config.max_batch_size]
-                outs = await asyncio.to_thread(self._generate_chunk, [requests[i] for i in chunk], sampling)
-                for i, out in zip(chunk, outs, strict=True):
-                    results[i] = out
-        self._aborted_ids.difference_update(r.request_id for r in requests)
+        try:
+            for sampling, indices in by_params.items():
+                for start in range(0, len(indices), self.config.max_batch_size):
+                    chunk = indices[start : start + self.config.max_batch_size]
+                    outs = await asyncio.to_thread(self._generate_chunk, [requests[i] for i in chunk], sampling)
+                    for i, out in zip(chunk, outs, strict=True):
+                        results[i] = out
+        finally:
+            self._aborted_ids.difference_update(r.request_id for r in requests)
         return results  # type: ignore[return-value]
 
     async def abort_requests(self, request_ids: list[str]) -> None:

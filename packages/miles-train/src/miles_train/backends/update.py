@@ -26,6 +26,7 @@ from miles_train.objectives import (
     BUILTINS,
     AdvantageInputs,
     LossInputs,
+    ObjectiveError,
     aggregate,
     build_objective,
     check_advantages,
@@ -260,6 +261,20 @@ class GRPOBackend:
         dist.all_reduce(t, op=op, group=self._dp_group())
         return t.tolist()
 
+    def _agreed(self, check: Any) -> Any:
+        """`check()`, with every rank agreeing on its outcome before any goes on: a rank whose rows fail it must not
+        leave the others waiting in the backward's collectives. Every rank raises the failing rank's message."""
+        try:
+            value, message = check(), ""
+        except ObjectiveError as exc:
+            value, message = None, str(exc)
+        messages: list = [None] * self.world_size
+        dist.all_gather_object(messages, message)
+        failed = next((m for m in messages if m), "")
+        if failed:
+            raise ObjectiveError(failed)
+        return value
+
     def _advantages(self, batch: TrainBatch, old_logprobs: torch.Tensor | None) -> torch.Tensor:
         """[B, W] advantages of the whole batch from the objective (checked), W the batch's padded width − 1."""
         algorithm, kl_coef = self.config.algorithm, self.config.grpo.kl_coef
@@ -267,8 +282,9 @@ class GRPOBackend:
         mask = whole.loss_mask
         penalty = old = ref = None
         wanted = self.objective.needs_logprobs
-        if (self.kl_in_reward or wanted) and self.reference is not None:  # under the behaviour policy
+        if wanted or self.kl_in_reward:  # under the behaviour policy
             old = old_logprobs if old_logprobs is not None else whole.rollout_logprobs
+        if (self.kl_in_reward or wanted) and self.reference is not None:
             ref = self._padded_logprobs(batch, model=self.reference)
             if self.kl_in_reward and kl_coef > 0:
                 penalty = kl_coef * kl_estimate(old, ref, algorithm.kl_estimator) * mask
@@ -283,7 +299,7 @@ class GRPOBackend:
         )
         if wanted and old is not None and ref is not None:  # distill: k1 estimate of KL(student ‖ teacher) per token
             self._frozen_kl = float(((old - ref) * mask).sum() / mask.sum().clamp(min=1))
-        value = self.objective.advantages(inputs)
+        value = self.objective.advantages(inputs)  # the whole batch on every rank: every rank agrees on the check
         return check_advantages(algorithm.name, value, len(batch), mask.shape[1], mask)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -372,8 +388,17 @@ class GRPOBackend:
             clip_high=grpo.clip_eps if grpo.clip_eps_high is None else grpo.clip_eps_high,
             dual_clip=algorithm.dual_clip,
         )
-        result = self.objective.policy_loss(inputs)
-        pg = check_loss(algorithm.name, result, logprobs, c.loss_mask, self._check_values)
+
+        def loss_of_this_rank() -> tuple[Any, torch.Tensor]:
+            try:
+                result = self.objective.policy_loss(inputs)
+            except Exception as exc:  # a user objective's error on one rank's rows: every rank must stop
+                raise ObjectiveError(
+                    f"objective {algorithm.name}: policy_loss raised {type(exc).__name__}: {exc}"
+                ) from exc
+            return result, check_loss(algorithm.name, result, logprobs, c.loss_mask, self._check_values)
+
+        result, pg = self._agreed(loss_of_this_rank)
         clipped = result[1]
         ratio = torch.exp(logprobs - old).detach()
         tis = torch.ones_like(pg)
