@@ -69,14 +69,15 @@ def test_the_algorithm_bench_reports_each_algorithm(tmp_path):
 
 @pytest.mark.extended
 def test_every_algorithm_learns_the_demo_on_the_hf_engine(tmp_path):
-    """Every built-in, 20 steps of the demo on the hf engine (seeded, the same prompts): held-out accuracy rises
-    well above its start (a held-out accuracy's standard error is ~0.022 on 500 prompts)."""
+    """Every RL built-in, 20 steps of the demo on the hf engine (seeded, the same prompts): held-out accuracy rises
+    above its start by more than 2.5 standard errors (~0.022 each on 500 prompts). On SGLang the same 20 steps
+    measured +0.09 (gspo) to +0.15 (dr_grpo); not yet run on the hf engine (README, "Algorithms")."""
     from miles_train.config import RL_ALGORITHMS
 
     report, _ = bench(tmp_path, 20, ",".join(RL_ALGORITHMS), "rollout.engine.type=hf", "rollout.eval.every_steps=20")
     for name, cells in rows(report, list(RL_ALGORITHMS)).items():
         first, last, _ = map(float, re.match(r"([\d.]+) → ([\d.]+) \(([\d.]+)\)", cells[3]).groups())
-        assert last >= first + 0.08, (name, cells)
+        assert last >= first + 0.06, (name, cells)
 
 
 def test_dynamic_sampling_keeps_uniform_groups_from_the_trainer(tmp_path):
