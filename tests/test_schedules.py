@@ -1,5 +1,6 @@
 """The schedules through `miles run`: overlap, the staleness bound, live changes, determinism of sync."""
 
+import math
 import subprocess
 import sys
 import time
@@ -101,3 +102,28 @@ def test_fully_async_respects_max_staleness_and_takes_live_changes(tmp_path):
     assert before == list(range(1, applied_at))  # every step before the change
     assert all(s % 2 == 0 for s in after) and {pushes[s] for s in after} == {"retract"}
     assert store.job(1).status == "succeeded"
+
+
+def test_partial_rollouts_continue_what_a_push_aborts(tmp_path):
+    """fully_async with a buffer that never fills pushes while the engine generates; with pause_mode abort and partial_rollouts the aborted
+    requests are continued under the new weights (the trainer's weighting of their tokens by their own age is
+    checked in packages/miles-train/tests/test_backend_contract.py, the join in test_engine_contract.py)."""
+    store = run(
+        tmp_path,
+        "rollout.engine.type=hf",
+        "schedule.type=fully_async",
+        "schedule.num_steps=6",
+        "schedule.pause_mode=abort",
+        "schedule.max_staleness=2",
+        "schedule.buffer_groups=1024",  # never full: the engine generates through every push
+        "rollout.partial_rollouts=true",
+        "train.grpo.staleness=decay",
+    )
+    assert store.job(1).status == "succeeded", store.job(1).error
+    continued = series(store, "rollout/partial_continued")
+    assert sum(continued.values()) > 0, continued  # some requests spanned a push and went on
+    losses = series(store, "train/loss")
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses.values()), losses
+    syncs = store.spans(1, "weight_sync")
+    assert all(s.attrs["pause_mode"] == "abort" for s in syncs)
+    assert all(s.attrs["trainer_fingerprint"] == s.attrs["engine_fingerprint"] for s in syncs)

@@ -21,6 +21,7 @@ from miles_rollout import (
     WeightPushError,
     build_engine,
 )
+from miles_rollout.client import EngineClient
 from miles_rollout.config import SGLangEngineConfig
 from miles_sync import (
     TRANSPORTS,
@@ -172,6 +173,58 @@ def test_pause_holds_requests_across_a_weight_push(engine, tiny_model_dir, tmp_p
     for r in out["r"]:
         assert r.finish_reason == FinishReason.LENGTH and len(r.output_ids) == 900
         assert r.weight_versions == [0, 5]  # a sample that spans a push records both versions
+        k = r.token_versions.count(0)  # ... and which version generated each of its ids
+        assert 0 < k < 900 and r.token_versions == [0] * k + [5] * (900 - k)
+
+
+def teacher_forced(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Logprob of every output id under `model` at temperature 1, given the prompt and the ids before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def test_partial_rollout_continues_an_aborted_request_under_the_new_weights(engine, tiny_model_dir, tmp_path):
+    """rollout.partial_rollouts: a request aborted by a push is sent again with what it had, generates the rest
+    under the new weights, and comes back whole: every id, its logprob under the weights that generated it, and
+    its version."""
+    prompts = [r.input_ids for r in requests(2, LONG)]
+    out: dict = {}
+    clients: list[EngineClient] = []
+
+    async def run() -> list:
+        client = EngineClient(engine, continue_aborted=True)
+        clients.append(client)
+        return await asyncio.gather(
+            *(client.generate(p, LONG, request_id=f"partial-{i}") for i, p in enumerate(prompts))
+        )
+
+    worker = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(run())))
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive(), "the long generation finished before the test could pause it"
+    asyncio.run(engine.pause("abort"))
+    deadline = time.time() + 60
+    while clients[0].num_continued < len(prompts) and time.time() < deadline:
+        time.sleep(0.05)  # both requests came back aborted and were sent again: they wait for the push to end
+    assert clients[0].num_continued == len(prompts)
+    assert worker.is_alive(), "a continued request must wait for the resume"
+    new = new_weights(tiny_model_dir)
+    engine.receive(publish(new, 5, tmp_path / "w"))
+    asyncio.run(engine.resume())
+    worker.join(timeout=180)
+    assert not worker.is_alive()
+    old_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    new_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    new_model.load_state_dict(dict(new), strict=False)
+    for prompt, r in zip(prompts, out["r"], strict=True):
+        assert r.finish_reason == FinishReason.LENGTH and len(r.output_ids) == len(r.output_logprobs) == 900
+        k = r.token_versions.count(0)
+        assert 0 < k < 900 and r.token_versions == [0] * k + [5] * (900 - k)
+        assert r.weight_versions == [0, 5]
+        got = torch.tensor(r.output_logprobs)
+        assert torch.allclose(got[:k], teacher_forced(old_model, prompt, r.output_ids)[:k], atol=1e-3)
+        assert torch.allclose(got[k:], teacher_forced(new_model, prompt, r.output_ids)[k:], atol=1e-3)
 
 
 def new_weights(model_dir):
@@ -417,3 +470,24 @@ def test_a_load_whose_server_check_fails_is_rolled_back(engine, tiny_model_dir, 
         monkeypatch.undo()
     assert engine.weight_version == version and engine.weight_fingerprint() == before
     assert all(slot.admitted for slot in engine.slots)
+
+
+def test_partial_rollouts_leave_what_the_client_aborted_ended(engine):
+    """Dynamic sampling's surplus (abort_outstanding) is ended for good, partial rollouts or not."""
+    out: dict = {}
+    clients: list[EngineClient] = []
+
+    async def run():
+        client = EngineClient(engine, continue_aborted=True)
+        clients.append(client)
+        task = asyncio.ensure_future(client.generate(requests(1, LONG)[0].input_ids, LONG, request_id="surplus"))
+        await asyncio.sleep(0.3)
+        await client.abort_outstanding()
+        return await task
+
+    worker = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(run())))
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert out["r"].finish_reason == FinishReason.ABORT and 0 < len(out["r"].output_ids) < 900
+    assert clients[0].num_continued == 0

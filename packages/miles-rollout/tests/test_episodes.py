@@ -103,6 +103,7 @@ def test_episode_layout_masks_environment_tokens():
     assert sample.loss_mask == [1, 1, 0, 0, 0, 1]
     assert sample.rollout_logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
     assert sample.weight_versions == [0, 1] and sample.response_text == "c" and sample.group_index == 3
+    assert sample.token_versions == [0, 0, 0, 0, 0, 1]  # environment ids: the version of the turn before them
     assert sample.metadata["k"] == 1 and sample.metadata["episode"]["env_reward"] == 0.75
     assert [m["role"] for m in sample.metadata["episode"]["messages"]] == ["assistant", "tool", "assistant"]
     with pytest.raises(ValueError, match="unknown end reason 'oops'"):
@@ -129,6 +130,23 @@ def test_check_sample_names_the_function_and_value():
     bad.rollout_logprobs[0] = float("nan")
     with pytest.raises(ValueError, match=r"rollout_logprobs\[0\] is nan"):
         check_sample(bad, 17, "fn")
+    bad = episode.to_sample(PromptRecord("p", "l"))
+    bad.token_versions = [0]
+    with pytest.raises(ValueError, match="token_versions has 1 entries for 2 response ids"):
+        check_sample(bad, 17, "fn")
+    bad.token_versions = [0, 2]
+    with pytest.raises(ValueError, match=r"token_versions holds \[2\], which weight_versions \[0\] does not"):
+        check_sample(bad, 17, "fn")
+
+
+def test_a_turn_continued_across_a_push_keeps_the_version_of_each_id():
+    episode = Episode([1, 2])
+    episode.add_model([3, 4, 5], [-0.1, -0.2, -0.3], [0, 1], "x", token_versions=[0, 0, 1])
+    episode.add_env([6], [{"role": "tool", "content": "y"}])
+    episode.add_model([7], [-0.4], [1], "z", token_versions=[1])
+    episode.end("done")
+    sample = check_sample(episode.to_sample(PromptRecord("p", "l")), 17, "fn")
+    assert sample.token_versions == [0, 0, 1, 1, 1] and sample.weight_versions == [0, 1]
 
 
 def test_tool_call_formats():

@@ -7,7 +7,7 @@ VARIANT names the backend, its layout and its precision: `fsdp2`, `megatron`, `m
 (train.precision).
 
 `offpolicy` turns on truncated importance sampling (cap 1.5) and staleness decay (0.5 per version),
-with staleness 0, 1, 2 within each group. `pushed` tells the backend that the engines hold bf16 weights
+with staleness 0, 1, 2 within each group (`offpolicy-partial`: each token its own age, `partial_ages`). `pushed` tells the backend that the engines hold bf16 weights
 (`set_push_dtype`): it forwards with the weights as pushed and recomputes old logprobs under them.
 `offpolicy-int4push` is `offpolicy` with pushes quantized to INT4 (sync.quantization) and an unquantized trainer.
 `qat-FORMAT` sets train.quantization (int4 groups of 32); `mis` masks tokens whose ratio leaves [0.4, 3] on the
@@ -51,6 +51,16 @@ def offpolicy_batch() -> TrainBatch:
     batch.staleness = [0, 1, 2, 0, 1, 2]
     batch.rollout_logprobs = [[-2.0 if j % 2 == 0 else -4.0 for j in range(len(r))] for r in batch.rollout_logprobs]
     return batch
+
+
+def partial_ages(batch: TrainBatch) -> list[list[int]]:
+    """Partial rollouts: each sample's first response token as old as the sample, the rest (continued after a
+    weight push) one version younger."""
+    assert batch.staleness is not None
+    return [
+        [age if j == 0 else max(age - 1, 0) for j in range(len(mask))]
+        for age, mask in zip(batch.staleness, batch.loss_mask, strict=True)
+    ]
 
 
 def snapshot(backend) -> dict[str, torch.Tensor]:
@@ -110,6 +120,8 @@ def main() -> None:
     if mode == "offpolicy-int4push":  # the engines run INT4 weights; the trainer does not quantize
         backend.set_push_dtype(None, "int4", 32)
     batch = offpolicy_batch() if offpolicy or mode == "mis" else contract_batch()
+    if mode == "offpolicy-partial":
+        batch.token_staleness = partial_ages(batch)
     result = {"initial": snapshot(backend)}
     result["logprobs"] = backend.compute_logprobs(batch)
     result["metrics"] = backend.train_step(batch)

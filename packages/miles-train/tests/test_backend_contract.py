@@ -35,7 +35,7 @@ from miles_train.objectives import (
 
 RANK_SCRIPT = Path(__file__).with_name("backend_rank.py")
 sys.path.insert(0, str(RANK_SCRIPT.parent))
-from backend_rank import contract_batch, offpolicy_batch  # noqa: E402
+from backend_rank import contract_batch, offpolicy_batch, partial_ages  # noqa: E402
 
 
 def free_port() -> int:
@@ -317,11 +317,15 @@ def test_masked_importance_sampling_matches_plain_pytorch(tiny_model_dir, tmp_pa
     assert result["metrics"]["train/loss"] == pytest.approx(float(loss), abs=1e-5)
 
 
-@pytest.mark.parametrize(("world_size", "mode"), [(1, "offpolicy"), (2, "offpolicy"), (1, "offpolicy-int4push")])
+OFF_POLICY = [(1, "offpolicy"), (2, "offpolicy"), (1, "offpolicy-int4push"), (2, "offpolicy-partial")]
+
+
+@pytest.mark.parametrize(("world_size", "mode"), OFF_POLICY)
 def test_off_policy_correction_matches_plain_pytorch(world_size, mode, tiny_model_dir, tmp_path):
     """Truncated importance sampling and staleness decay weight the loss exactly as written plainly. With INT4
     pushes and an unquantized trainer, π_old is still the trainer's own (unquantized) policy: the PPO ratio
-    starts at 1 and the rollout's quantization error is left to TIS."""
+    starts at 1 and the rollout's quantization error is left to TIS. Partial rollouts: every token is weighed by
+    its own age, not its sample's."""
     from miles_train.grpo import staleness_weights, truncated_is_weights
 
     result = run_ranks(tiny_model_dir, world_size, tmp_path, mode=mode)  # the loop is shared by every backend
@@ -332,6 +336,13 @@ def test_off_policy_correction_matches_plain_pytorch(world_size, mode, tiny_mode
     pg, _, _ = clipped_policy_loss(logprobs, old, adv, 0.2)
     tis, truncated = truncated_is_weights(old, c.rollout_logprobs, 1.5)
     weights = staleness_weights([0, 1, 2, 0, 1, 2], "decay", 0.5, 1)[:, None]
+    if mode == "offpolicy-partial":  # the response positions of each row, in order, get their token's weight
+        weights = torch.zeros_like(c.loss_mask)
+        for row, ages in enumerate(partial_ages(batch)):
+            where = c.loss_mask[row].nonzero().flatten()
+            weights[row, where] = staleness_weights(ages, "decay", 0.5, 1)
+        expected = float((weights * c.loss_mask).sum() / c.loss_mask.sum())
+        assert result["metrics"]["train/token_weight_mean"] == pytest.approx(expected, abs=1e-6)
     loss = token_mean(pg * tis * weights + 0.1 * kl_k3(logprobs, ref_lp), c.loss_mask)
     metrics = result["metrics"]
     assert metrics["train/loss"] == pytest.approx(float(loss), abs=1e-5)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles_rollout.types import RolloutBatch, SampleStatus
+from miles_rollout.types import RolloutBatch, Sample, SampleStatus
 from miles_train.types import TrainBatch
 
 
@@ -11,14 +11,17 @@ def to_train_batch(batch: RolloutBatch, staleness: list[int] | None = None) -> T
     recomputes logprobs at the temperature the engine reported them at (`SamplingParams.logprob_temperature`).
 
     `staleness`, one per sample of `batch`, is the trainer version minus the oldest engine version the
-    sample was generated under (asynchronous schedules).
+    sample was generated under (asynchronous schedules); a sample continued across a push (partial rollouts) gives
+    each token its own age (`token_staleness`).
     """
     if batch.sampling is None:
         raise ValueError("to_train_batch: the RolloutBatch does not say how it was sampled (batch.sampling is None)")
     keep = [i for i, s in enumerate(batch.samples) if s.status != SampleStatus.ABORTED and s.response_ids]
     samples = [batch.samples[i] for i in keep]
+    ages = None if staleness is None else [staleness[i] for i in keep]
     return TrainBatch(
-        staleness=None if staleness is None else [staleness[i] for i in keep],
+        staleness=ages,
+        token_staleness=None if ages is None else token_staleness(samples, ages),
         input_ids=[s.prompt_ids + s.response_ids for s in samples],
         response_start=[len(s.prompt_ids) for s in samples],
         rollout_logprobs=[s.rollout_logprobs for s in samples],
@@ -27,6 +30,18 @@ def to_train_batch(batch: RolloutBatch, staleness: list[int] | None = None) -> T
         group_index=[s.group_index for s in samples],
         temperature=batch.sampling.logprob_temperature,
     )
+
+
+def token_staleness(samples: list[Sample], staleness: list[int]) -> list[list[int]] | None:
+    """The age of every response token (partial rollouts): the sample's staleness less how much newer than the
+    sample's oldest version the token's own version is. None when no token is newer than its sample's oldest."""
+    newer = [[v - s.oldest_weight_version for v in s.token_versions] for s in samples]
+    if not any(any(row) for row in newer):
+        return None
+    return [
+        [age - d for d in row] if len(row) == len(s.response_ids) else [age] * len(s.response_ids)
+        for s, age, row in zip(samples, staleness, newer, strict=True)
+    ]
 
 
 def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:

@@ -11,20 +11,52 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 
 from miles_rollout.episode import check_ids
 from miles_rollout.protocol import RolloutEngine
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
+MAX_CONTINUATIONS = 16  # a partial rollout is continued across at most this many weight pushes, then dropped
+
+
+def join_parts(parts: list[GenerateResult]) -> GenerateResult:
+    """One result from a request and its continuations: ids, logprobs and per-id versions in order, every
+    version any part ran under, and the last part's finish reason."""
+    versions: list[int] = []
+    for part in parts:
+        versions += [v for v in part.weight_versions if v not in versions]
+    return GenerateResult(
+        request_id=parts[0].request_id,
+        output_ids=[i for part in parts for i in part.output_ids],
+        output_logprobs=[lp for part in parts for lp in part.output_logprobs],
+        finish_reason=parts[-1].finish_reason,
+        weight_versions=versions,
+        token_versions=[v for part in parts for v in part.versions_per_token()],
+    )
+
 
 class EngineClient:
     """The engine as rollout code sees it. `vocab_size`: ids at or above it are refused before they reach it."""
 
-    def __init__(self, engine: RolloutEngine, vocab_size: int | None = None, batch_calls: bool = True) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        vocab_size: int | None = None,
+        batch_calls: bool = True,
+        continue_aborted: bool = False,
+    ) -> None:
         """`batch_calls=False`: every request is its own `engine.generate` call, answered as soon as it is done (for
         an engine that serves concurrent calls and batches them itself, as SGLang does: dynamic sampling judges each
-        group when its samples are in, not when the slowest request of the step is)."""
+        group when its samples are in, not when the slowest request of the step is).
+
+        `continue_aborted` (`rollout.partial_rollouts`): a request the engine aborted for a weight push (pause mode
+        `abort`) is sent again as prompt + what it generated so far, for the tokens it still had to generate; the
+        engine takes it once the push is done, so the rest is generated under the new weights. The answer joins the
+        parts: their ids, logprobs and the version of every id. Requests ended by `abort_outstanding` stay ended."""
         self.engine = engine
+        self.continue_aborted = continue_aborted
+        self.num_continued = 0  # continuation requests sent (partial rollouts)
         self.vocab_size = vocab_size
         self.batch_calls = batch_calls
         self.num_calls = 0  # engine.generate calls made (batches), for tests and metrics
@@ -46,6 +78,25 @@ class EngineClient:
         check_ids(input_ids, self.vocab_size, where)
         if not input_ids:
             raise ValueError(f"{where} is empty")
+        result = await self._request(input_ids, sampling, request_id)
+        parts = [result]
+        made = len(result.output_ids)
+        while (
+            self.continue_aborted
+            and result.finish_reason == FinishReason.ABORT
+            and not self.closed  # abort_outstanding ended it: the step no longer wants it
+            and made < sampling.max_new_tokens
+            and len(parts) <= MAX_CONTINUATIONS
+        ):
+            self.num_continued += 1
+            rest = replace(sampling, max_new_tokens=sampling.max_new_tokens - made)
+            done = [i for part in parts for i in part.output_ids]
+            result = await self._request(list(input_ids) + done, rest, f"{request_id}+{len(parts)}")
+            parts.append(result)
+            made += len(result.output_ids)
+        return parts[0] if len(parts) == 1 else join_parts(parts)
+
+    async def _request(self, input_ids: list[int], sampling: SamplingParams, request_id: str) -> GenerateResult:
         self._count += 1
         # unique whatever the caller names it (SGLang's rid; abort_outstanding finds requests by it)
         rid = f"{self._prefix}:{self._count}:{request_id}" if request_id else f"{self._prefix}:{self._count}"

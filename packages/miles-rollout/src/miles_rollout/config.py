@@ -196,6 +196,12 @@ class RolloutConfig(_Strict):
     dynamic_sampling: DynamicSamplingConfig | None = Field(
         None, description="Drop groups whose rewards all agree and fill the step with informative ones (None: off)."
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="A request aborted by a weight push (schedule.pause_mode: abort) continues under the new weights "
+        "from the tokens it had, instead of its sample being dropped; every response id records the version it was "
+        "generated under (Sample.token_versions), and train.staleness weighs each token by its own age.",
+    )
     overlong_penalty: OverlongPenaltyConfig | None = Field(
         None, description="Penalise responses near max_new_tokens in the reward (None: off)."
     )

@@ -35,6 +35,7 @@ class Segment:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)  # model turns: the version of each id
     num_messages: int = 0  # environment turns: how many transcript messages it stands for
 
 
@@ -62,10 +63,18 @@ class Episode:
         """Everything the model reads next: the prompt, then every segment in order."""
         return self.prompt_ids + [i for s in self.segments for i in s.ids]
 
-    def add_model(self, ids: list[int], logprobs: list[float], weight_versions: list[int], text: str) -> None:
+    def add_model(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        weight_versions: list[int],
+        text: str,
+        token_versions: list[int] | None = None,
+    ) -> None:
         if len(ids) != len(logprobs):
             raise ValueError(f"a model turn of {len(ids)} ids came with {len(logprobs)} logprobs")
-        self.segments.append(Segment("model", list(ids), text, list(logprobs), list(weight_versions)))
+        per_id = list(token_versions) if token_versions and len(token_versions) == len(ids) else []
+        self.segments.append(Segment("model", list(ids), text, list(logprobs), list(weight_versions), per_id))
         self.messages.append({"role": "assistant", "content": text})
 
     def add_env(self, ids: list[int], messages: list[dict[str, Any]]) -> None:
@@ -116,6 +125,13 @@ class Episode:
             mask += [int(model)] * len(segment.ids)
             logprobs += segment.logprobs if model else [0.0] * len(segment.ids)
         versions = sorted({v for s in self.segments for v in s.weight_versions})
+        per_id: list[int] = []  # environment ids take the version of the model turn before them
+        for segment in self.segments:
+            if segment.kind == "model":
+                first = segment.weight_versions[0] if segment.weight_versions else (versions or [0])[0]
+                per_id += segment.token_versions or [first] * len(segment.ids)
+            else:
+                per_id += [per_id[-1] if per_id else (versions or [0])[0]] * len(segment.ids)
         status = _STATUS.get(self.end_reason, SampleStatus.COMPLETED)
         if drop_failed and self.end_reason in ENV_FAILURES:
             status = SampleStatus.ABORTED
@@ -136,6 +152,7 @@ class Episode:
             status=status,
             weight_versions=versions,
             metadata={**record.metadata, "episode": self.summary()},
+            token_versions=per_id if self.num_turns else [],
         )
 
 
@@ -181,4 +198,13 @@ def check_sample(sample: Any, vocab_size: int | None, where: str) -> Sample:
             raise ValueError(f"{where}: rollout_logprobs[{i}] is {lp!r}: a logprob is a finite number <= 0")
     if not sample.weight_versions:
         raise ValueError(f"{where}: weight_versions is empty (the engine results' weight_versions say which)")
+    per_id = sample.token_versions
+    if per_id and (not isinstance(per_id, list) or len(per_id) != n):
+        size = len(per_id) if isinstance(per_id, list) else type(per_id).__name__
+        raise ValueError(f"{where}: token_versions has {size} entries for {n} response ids (or leave it empty)")
+    if per_id and not set(per_id) <= set(sample.weight_versions):
+        raise ValueError(
+            f"{where}: token_versions holds {sorted(set(per_id) - set(sample.weight_versions))}, which "
+            f"weight_versions {sample.weight_versions} does not"
+        )
     return sample

@@ -68,6 +68,7 @@ async def single_turn(record: PromptRecord, client: EngineClient, sampling: Samp
         status=status_of(result.finish_reason),
         weight_versions=result.weight_versions,
         metadata=dict(record.metadata),
+        token_versions=result.versions_per_token(),
     )
 
 
@@ -180,7 +181,9 @@ async def _run_episode(
         turn_sampling = sampling if sampling.max_new_tokens <= room else replace(sampling, max_new_tokens=room)
         result = await client.generate(episode.ids(), turn_sampling, request_id=f"{request_id}-t{turn}")
         text = ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-        episode.add_model(result.output_ids, result.output_logprobs, result.weight_versions, text)
+        episode.add_model(
+            result.output_ids, result.output_logprobs, result.weight_versions, text, result.versions_per_token()
+        )
         if result.finish_reason == FinishReason.ABORT:
             episode.end("abort")
             break

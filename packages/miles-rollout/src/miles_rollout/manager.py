@@ -84,7 +84,7 @@ class RolloutManager:
         `evaluating`: the model answers, whatever the generate function (`supervised` would return the labels)."""
         n = self.config.num_samples_per_prompt if num_samples_per_prompt is None else num_samples_per_prompt
         sampling = self.sampling_params(self.config.sampling, temperature)
-        client = EngineClient(self.engine, self.vocab_size)
+        client = EngineClient(self.engine, self.vocab_size, continue_aborted=self.config.partial_rollouts)
         start = time.time()
         calls = [
             self._sample(record, client, sampling, g, k, evaluating) for g, record in enumerate(prompts) for k in range(n)
@@ -94,7 +94,7 @@ class RolloutManager:
         num_tokens = sum(len(s.response_ids) for s in samples)
         await self._score(samples, evaluating)
         scored = time.time()
-        return RolloutBatch(
+        batch = RolloutBatch(
             samples,
             timings=[
                 StageTiming("rollout", start, generated, num_tokens),
@@ -102,6 +102,9 @@ class RolloutManager:
             ],
             sampling=sampling,
         )
+        if self.config.partial_rollouts:
+            batch.metrics["rollout/partial_continued"] = float(client.num_continued)
+        return batch
 
     async def _score(self, samples: list[Sample], evaluating: bool = False) -> None:
         """The reward of each sample, less the overlong penalty where it is on (training only: a held-out answer
@@ -137,7 +140,9 @@ class RolloutManager:
         # an engine that batches concurrent calls itself (SGLang) answers each request when it is done; one that
         # decodes a batch at a time (hf) gets batches, and what waits behind a running one is what an abort saves
         concurrent = getattr(self.engine, "max_concurrent_calls", None) is None
-        client = EngineClient(self.engine, self.vocab_size, batch_calls=not concurrent)
+        client = EngineClient(
+            self.engine, self.vocab_size, batch_calls=not concurrent, continue_aborted=self.config.partial_rollouts
+        )
         start = time.time()
         kept: list[tuple[PromptRecord, list[Sample]]] = []
         dropped: list[tuple[PromptRecord, list[Sample]]] = []
@@ -197,6 +202,8 @@ class RolloutManager:
                 "rollout/ds_generated_tokens": float(generated_tokens),
             }
         )
+        if self.config.partial_rollouts:
+            batch.metrics["rollout/partial_continued"] = float(client.num_continued)
         return batch, [record for record, _ in chosen]
 
     async def _scored_group(

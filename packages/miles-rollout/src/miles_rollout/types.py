@@ -50,6 +50,14 @@ class GenerateResult:
     output_logprobs: list[float]
     finish_reason: FinishReason
     weight_versions: list[int]  # every version the request was generated under
+    token_versions: list[int] = field(default_factory=list)  # the version each output id was generated under
+
+    def versions_per_token(self) -> list[int]:
+        """`token_versions` when the engine gave one per output id, else its first version for every id (an
+        engine that reports versions per request only)."""
+        if len(self.token_versions) == len(self.output_ids):
+            return list(self.token_versions)
+        return [self.weight_versions[0] if self.weight_versions else 0] * len(self.output_ids)
 
 
 class SampleStatus(str, enum.Enum):
@@ -96,6 +104,9 @@ class Sample:
     status: SampleStatus = SampleStatus.COMPLETED
     weight_versions: list[int] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # the weight version each response id was generated under (environment ids: the turn's before them); empty
+    # when the generate function did not say, and then every id counts as `oldest_weight_version`
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def oldest_weight_version(self) -> int:

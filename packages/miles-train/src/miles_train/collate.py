@@ -36,6 +36,17 @@ def collate(batch: TrainBatch, pad_token_id: int = 0) -> Collated:
     return Collated(input_ids, attention, input_ids[:, 1:], loss_mask, rollout)
 
 
+def response_layout(batch: TrainBatch, values: list[list[float]], fill: float = 0.0) -> torch.Tensor:
+    """Per-response-token `values` (one list per row, one entry per response token) laid out like `collate`'s
+    loss mask, [B, T-1]; `fill` elsewhere."""
+    width = max(len(ids) for ids in batch.input_ids)
+    out = torch.full((len(batch), width - 1), fill, dtype=torch.float32)
+    for i, row in enumerate(values):
+        start = batch.response_start[i]
+        out[i, start - 1 : start - 1 + len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
 def token_logprobs(
     model: torch.nn.Module, collated: Collated, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

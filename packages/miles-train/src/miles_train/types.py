@@ -21,11 +21,23 @@ class TrainBatch:
     group_index: list[int]
     temperature: float = 1.0
     staleness: list[int] | None = None  # per row: trainer version − oldest engine version it was generated under
+    # per response token: trainer version − the engine version that token was generated under (partial rollouts);
+    # None when every token of a row is as old as the row (`staleness` then says it)
+    token_staleness: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         if self.staleness is not None and len(self.staleness) != n:
             raise ValueError(f"TrainBatch.staleness has {len(self.staleness)} rows, input_ids has {n}")
+        if self.token_staleness is not None:
+            if len(self.token_staleness) != n:
+                raise ValueError(f"TrainBatch.token_staleness has {len(self.token_staleness)} rows, input_ids has {n}")
+            for i, row in enumerate(self.token_staleness):
+                if len(row) != len(self.input_ids[i]) - self.response_start[i]:
+                    raise ValueError(
+                        f"TrainBatch row {i}: {len(row)} token_staleness entries for "
+                        f"{len(self.input_ids[i]) - self.response_start[i]} response tokens"
+                    )
         for field_name in ("response_start", "rollout_logprobs", "loss_mask", "rewards", "group_index"):
             if len(getattr(self, field_name)) != n:
                 raise ValueError(
@@ -56,4 +68,5 @@ class TrainBatch:
             group_index=[self.group_index[i] for i in rows],
             temperature=self.temperature,
             staleness=None if self.staleness is None else [self.staleness[i] for i in rows],
+            token_staleness=None if self.token_staleness is None else [self.token_staleness[i] for i in rows],
         )

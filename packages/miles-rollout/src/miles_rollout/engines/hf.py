@@ -71,8 +71,10 @@ class HFEngine:
         self._pieces: dict | None = None  # of the last push: the row ranges its senders held (several senders)
         self._keep_previous = False  # receive(check_later=True): keep what a push overwrites, for roll_back()
         self._previous: tuple | None = None
-        self._resumed = threading.Event()
+        self._resumed = threading.Event()  # cleared while paused in place: decoding rows wait on it
         self._resumed.set()
+        self._open = threading.Event()  # cleared while paused in any mode: a call made meanwhile starts on resume
+        self._open.set()
         self._abort = False
         self._aborted_ids: set[str] = set()  # abort_requests(): rows that end at their next token
         self._weights_lock = threading.Lock()
@@ -92,6 +94,8 @@ class HFEngine:
             for sampling, indices in by_params.items():
                 for start in range(0, len(indices), self.config.max_batch_size):
                     chunk = indices[start : start + self.config.max_batch_size]
+                    if not self._open.is_set():  # paused: nothing starts before the push is done
+                        await asyncio.to_thread(self._open.wait)
                     outs = await asyncio.to_thread(self._generate_chunk, [requests[i] for i in chunk], sampling)
                     for i, out in zip(chunk, outs, strict=True):
                         results[i] = out
@@ -131,10 +135,12 @@ class HFEngine:
         out_lps: list[list[float]] = [[] for _ in requests]
         reasons = [FinishReason.LENGTH] * batch
         finished = torch.zeros(batch, dtype=torch.bool)
-        versions = [[self._weight_version] for _ in requests]
+        out_versions: list[list[int]] = [[] for _ in requests]  # per output id
+        versions: list[list[int]] = [[] for _ in requests]  # every version a row ran under, in order
 
         cache = DynamicCache()
         with self._weights_lock:
+            version = self._weight_version  # of the weights these logits come from
             logits = self.model(
                 input_ids=input_ids,
                 attention_mask=attention,
@@ -148,6 +154,9 @@ class HFEngine:
             for row in (~finished).nonzero().flatten().tolist():
                 out_ids[row].append(int(tokens[row]))
                 out_lps[row].append(float(logprobs[row]))
+                out_versions[row].append(version)
+                if not versions[row] or versions[row][-1] != version:
+                    versions[row].append(version)
             hit_stop = torch.isin(tokens, stop_ids) & ~finished
             for row in hit_stop.nonzero().flatten().tolist():
                 reasons[row] = FinishReason.STOP
@@ -165,12 +174,10 @@ class HFEngine:
                 for row in (~finished).nonzero().flatten().tolist():
                     reasons[row] = FinishReason.ABORT
                 break
-            for row in range(batch):
-                if versions[row][-1] != self._weight_version:
-                    versions[row].append(self._weight_version)
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
             positions = positions[:, -1:] + 1
             with self._weights_lock:
+                version = self._weight_version
                 logits = self.model(
                     input_ids=tokens[:, None],
                     attention_mask=attention,
@@ -179,12 +186,13 @@ class HFEngine:
                     use_cache=True,
                 ).logits[:, -1]
         return [
-            GenerateResult(r.request_id, out_ids[i], out_lps[i], reasons[i], versions[i])
+            GenerateResult(r.request_id, out_ids[i], out_lps[i], reasons[i], versions[i], out_versions[i])
             for i, r in enumerate(requests)
         ]
 
     async def pause(self, mode: PauseMode = "in_place") -> None:
         # The KV cache lives in the decoding call, so in_place and retract both simply hold it.
+        self._open.clear()
         self._abort = mode == "abort"
         if self._abort:
             self._resumed.set()  # wake held requests so that they end as aborted
@@ -194,6 +202,7 @@ class HFEngine:
     async def resume(self) -> None:
         self._abort = False
         self._resumed.set()
+        self._open.set()
 
     async def flush_cache(self) -> None:
         """Nothing is cached between requests in this engine."""
@@ -262,3 +271,4 @@ class HFEngine:
 
     def shutdown(self) -> None:
         self._resumed.set()
+        self._open.set()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from miles_train.backends.distributed import DistributedGroup
-from miles_train.collate import Collated, collate, logprobs_from_logits, unpad_response
+from miles_train.collate import Collated, collate, logprobs_from_logits, response_layout, unpad_response
 from miles_train.config import TrainConfig
 from miles_train.grpo import masked_is_weights, staleness_weights, truncated_is_weights
 from miles_train.objectives import (
@@ -302,6 +302,20 @@ class GRPOBackend:
         value = self.objective.advantages(inputs)  # the whole batch on every rank: every rank agrees on the check
         return check_advantages(algorithm.name, value, len(batch), mask.shape[1], mask)
 
+    def _token_weights(self, batch: TrainBatch, sample_weights: torch.Tensor) -> torch.Tensor:
+        """The staleness weight of every token, laid out like the batch's loss mask: its sample's weight, or, for
+        a sample continued across a weight push (`token_staleness`), the weight of the token's own age."""
+        grpo = self.config.grpo
+        if batch.token_staleness is None:
+            rows = [[float(w)] * len(m) for w, m in zip(sample_weights.tolist(), batch.loss_mask, strict=True)]
+        else:
+            rows = [
+                staleness_weights(ages, grpo.staleness, grpo.staleness_decay, grpo.drop_older_than).tolist()
+                if ages else []
+                for ages in batch.token_staleness
+            ]  # fmt: skip
+        return response_layout(batch, rows)
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         grpo = self.config.grpo
         if len(batch) < grpo.num_minibatches * self.dp_size:
@@ -314,6 +328,7 @@ class GRPOBackend:
         tis_max = 0.0
         ages = batch.staleness if batch.staleness is not None else [0] * len(batch)
         sample_weights = staleness_weights(ages, grpo.staleness, grpo.staleness_decay, grpo.drop_older_than)
+        token_weights = self._token_weights(batch, sample_weights)
         grad_norms = []
         # The ratio's denominator is the policy the engines ran: the weights as pushed, whatever the forward uses.
         old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
@@ -329,7 +344,7 @@ class GRPOBackend:
             local = [rows[i] for i in self._my_rows(len(rows))]
             c = self._collate(batch.select(local))
             with self._weights_for_forward():
-                part = self._minibatch_loss(batch, c, local, counts, advantages, sample_weights, old_logprobs)
+                part = self._minibatch_loss(batch, c, local, counts, advantages, token_weights, old_logprobs)
             norm = self._step_optimizer()
             self._zero_grad()
             if norm is not None:
@@ -351,6 +366,8 @@ class GRPOBackend:
             metrics["train/teacher_kl"] = self._frozen_kl  # mean over the batch's tokens of log π_old − log π_teacher
         metrics["train/tis_max"] = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]
         metrics["train/sample_weight_mean"] = float(sample_weights.mean())
+        if batch.token_staleness is not None:  # partial rollouts: the weight of the tokens, each by its own age
+            metrics["train/token_weight_mean"] = float((token_weights * full_mask).sum() / full_mask.sum().clamp(min=1))
         metrics["train/logprob_diff_p99"] = self._quantile(self._diffs, 0.99)
         if self.config.precision == "fp16":
             metrics["train/overflow_skipped"] = float(self.overflow_skips - skips)
@@ -365,7 +382,7 @@ class GRPOBackend:
         local: list[int],
         counts: tuple[float, float],
         advantages: torch.Tensor,
-        sample_weights: torch.Tensor,
+        token_weights: torch.Tensor,
         old_logprobs: torch.Tensor | None,
     ) -> dict[str, float]:
         """Forward and backward of this rank's rows of one minibatch; the masked metric sums, tis_max and this rank's
@@ -411,7 +428,7 @@ class GRPOBackend:
         if grpo.mis_band is not None:  # old = the trainer's recomputed old-policy logprobs
             keep, mis_dropped = masked_is_weights(old, c.rollout_logprobs, *grpo.mis_band)
             pg = pg * keep
-        pg = pg * sample_weights[local].to(self.device)[:, None]
+        pg = pg * token_weights[local][:, :width].to(self.device)
         per_token = pg
         kl = torch.zeros_like(pg)
         if self.reference is not None and grpo.kl_coef > 0:

@@ -23,6 +23,18 @@ def _version_number(label: str | None) -> int:
     return int(label) if label and label.isdigit() else 0
 
 
+def _token_versions(spans: list[dict], num_output: int) -> list[int]:
+    """One version per output id from SGLang's `weight_versions` spans (`start`..`end` of the output ids each
+    version generated); empty when the spans do not cover the output exactly (`versions_per_token` then falls
+    back to the first version)."""
+    out: list[int] = []
+    for span in spans:
+        if int(span.get("start", -1)) != len(out):
+            return []
+        out += [_version_number(span.get("version"))] * max(int(span.get("end", 0)) - len(out), 0)
+    return out if len(out) == num_output else []
+
+
 class Dispatcher:
     """Sends `/generate` calls through the router."""
 
@@ -121,7 +133,8 @@ class Dispatcher:
         results = []
         for request, out in zip(requests, response.json(), strict=True):
             meta = out["meta_info"]
-            versions = [_version_number(v.get("version")) for v in meta.get("weight_versions") or []]
+            spans = meta.get("weight_versions") or []
+            versions = list(dict.fromkeys(_version_number(v.get("version")) for v in spans))
             results.append(
                 GenerateResult(
                     request_id=request.request_id,
@@ -129,6 +142,7 @@ class Dispatcher:
                     output_logprobs=[float(lp) for lp, _, _ in meta["output_token_logprobs"]],
                     finish_reason=_FINISH[meta["finish_reason"]["type"]],
                     weight_versions=versions or [_version_number(meta.get("weight_version"))],
+                    token_versions=_token_versions(spans, len(out["output_ids"])),
                 )
             )
         return results
