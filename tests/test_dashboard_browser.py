@@ -146,3 +146,31 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     page.get_by_role("link", name="Compare").click()
     wait_text(page, "Compare runs")
     shot(page, "7-compare")
+
+
+def test_pages_refresh_by_themselves_and_ride_out_an_api_outage(stack):
+    """The jobs list shows a job created elsewhere without any input; when the API stops the page keeps its data
+    under a "disconnected — retrying" banner, and the banner goes once the API is back."""
+    page, api = stack["page"], stack["api"]
+    page.goto(stack["base"])
+    sign_in(page, stack["token"])
+    wait_text(page, "No jobs yet")
+    spec_data = yaml.safe_load((ROOT / "examples" / "quick.yaml").read_text())
+    spec_data.update(name="made-elsewhere")
+    headers = {"Authorization": f"Bearer {stack['token']}"}
+    created = httpx.post(f"{api.url}/api/v1/jobs", json={"spec": spec_data}, headers=headers).json()
+    # no click, no reload: the list refreshed itself (the table is a canvas; its caption is text)
+    wait_text(page, r"^1 job\(s\)", timeout_s=60)
+    httpx.post(f"{api.url}/api/v1/jobs/{created['id']}/cancel", headers=headers)
+    wait_text(page, r"1 job\(s\); 0 active", timeout_s=120)
+
+    api.stop()
+    wait_text(page, "Disconnected — retrying", timeout_s=60)
+    # the page keeps the data it last showed
+    assert page.get_by_text(re.compile(r"1 job\(s\); 0 active")).count(), page.inner_text("body")[:2000]
+    assert not page.get_by_text(re.compile("Cannot use the Miles API")).count()
+    shot(page, "8-disconnected")
+    api.start()
+    page.get_by_text(re.compile("Disconnected — retrying")).first.wait_for(state="detached", timeout=60_000)
+    wait_text(page, r"1 job\(s\); 0 active", timeout_s=30)
+    shot(page, "9-reconnected")

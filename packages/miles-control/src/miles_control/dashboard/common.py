@@ -18,10 +18,64 @@ STATUS_COLORS = {
 }  # fmt: skip
 
 
-def api() -> MilesClient:
+READS = frozenset(
+    {"health", "jobs", "job", "metrics", "spans", "steps", "samples", "events", "summary", "schedule_changes",
+     "presets", "choices"}
+)  # fmt: skip
+RETRY_S = 3  # how often a page checks the API while it is away, and how often live pages refresh
+
+
+class RememberingClient:
+    """The API client, with memory: a read (`READS`) that cannot reach the API answers what the same call
+    answered last, and marks the session disconnected (the page then shows a banner and keeps its data instead
+    of an error). An answer with a status (401, 404, 422, ...) is raised as it is; so is a read never made before."""
+
+    def __init__(self, client: MilesClient, memory: dict) -> None:
+        self._client, self._memory = client, memory
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if name not in READS:
+            return attr
+
+        def read(*args, **kwargs):
+            key = (name, repr(args), repr(sorted(kwargs.items())))
+            try:
+                value = attr(*args, **kwargs)
+            except ApiError as exc:
+                if exc.status is not None or key not in self._memory:
+                    raise
+                st.session_state["disconnected"] = exc.message
+                return self._memory[key]
+            self._memory[key] = value
+            return value
+
+        return read
+
+
+def _reachable(client: MilesClient) -> str | None:
+    """None when the API answers (any status), else why not."""
+    try:
+        client.jobs(limit=1)
+    except ApiError as exc:
+        return exc.message if exc.status is None else None
+    return None
+
+
+@st.fragment(run_every=RETRY_S)
+def _watch_connection(client: MilesClient) -> None:
+    """Every few seconds: has the API come back (or gone away) since the page was drawn? Then draw it again."""
+    away = _reachable(client)
+    if bool(away) != bool(st.session_state.get("disconnected")):
+        st.session_state["disconnected"] = away
+        st.rerun()
+
+
+def api() -> RememberingClient:
     """The API client of this browser session: the API at MILES_API_URL (or the form's), with the token the
     visitor signed in with. The dashboard process holds no token of its own: every visitor signs in with theirs,
-    and a token is never sent back to a browser (the field starts empty)."""
+    and a token is never sent back to a browser (the field starts empty). When the API cannot be reached the page
+    keeps the data it last showed under a "disconnected — retrying" banner and reconnects by itself."""
     state = st.session_state
     state.setdefault("api_url", os.environ.get("MILES_API_URL", "http://127.0.0.1:8420"))
     state.setdefault("token", "")
@@ -35,12 +89,28 @@ def api() -> MilesClient:
         st.info("Sign in with your token in the sidebar (create one with `miles tokens create --name me`).")
         st.stop()
     client = MilesClient(state.api_url, state.token, timeout=15.0)
+    memory = state.setdefault("answers", {})
+    if state.get("answers_of") != (state.api_url, state.token):  # another API or visitor: forget the old answers
+        memory.clear()
+        state.answers_of = (state.api_url, state.token)
     try:
         client.jobs(limit=1)
+        state.disconnected = None
     except ApiError as exc:
-        st.error(f"Cannot use the Miles API at {state.api_url}: {exc.message}")
-        st.stop()
-    return client
+        if exc.status is not None:
+            st.error(f"Cannot use the Miles API at {state.api_url}: {exc.message}")
+            st.stop()
+        state.disconnected = exc.message
+    _watch_connection(client)
+    if state.disconnected:
+        st.warning(
+            f"**Disconnected — retrying** every {RETRY_S} s: {state.disconnected}. "
+            + ("The data below is what the API last answered." if memory else "Nothing has been loaded yet."),
+            icon=":material/cloud_off:",
+        )
+        if not memory:
+            st.stop()
+    return RememberingClient(client, memory)
 
 
 def status_text(status: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 from charts import breakdown, breakdown_chart, metrics_frame, series_chart
-from common import api, rows
+from common import ACTIVE, RETRY_S, api, rows
 
 client = api()
 st.title("Compare runs")
@@ -19,7 +19,12 @@ finished = [j for j in jobs if j.last_step]
 chosen = st.multiselect(
     "Jobs", jobs, default=finished[:2], format_func=lambda j: f"#{j.id} {j.name} ({j.schedule})", key="cmp"
 )
-if chosen:
+
+
+@st.fragment(run_every=RETRY_S if any(j.status in ACTIVE for j in chosen) else None)
+def comparison(chosen: list) -> None:
+    """The chosen runs side by side; refreshed while one of them runs."""
+    chosen = [client.job(j.id) for j in chosen]  # their progress now, not at the first draw
     curves, shares, table = [], [], []
     for job in chosen:
         label = f"#{job.id} {job.schedule}"
@@ -59,6 +64,10 @@ if chosen:
     if not both.empty:
         st.subheader("Time breakdown")
         st.altair_chart(breakdown_chart(both, by="run"))
+
+
+if chosen:
+    comparison(chosen)
 
 st.subheader("Schedule bench report")
 folder = Path(

@@ -93,7 +93,8 @@ def show() -> None:
             st.info("No samples yet.")
         else:
             steps = sorted({s["step"] for s in samples}, reverse=True)
-            step = st.selectbox("Step", steps, key="sample_step")
+            # the latest step by default, and again when a newer one arrives
+            step = st.selectbox("Step", steps, key=f"sample_step-{job_id}-{steps[0]}")
             st.dataframe(pd.DataFrame([s for s in samples if s["step"] == step]), hide_index=True)
     with tabs[6]:
         events = rows(client.events(job_id, limit=1000))
