@@ -491,3 +491,33 @@ def test_partial_rollouts_leave_what_the_client_aborted_ended(engine):
     assert not worker.is_alive()
     assert out["r"].finish_reason == FinishReason.ABORT and 0 < len(out["r"].output_ids) < 900
     assert clients[0].num_continued == 0
+
+
+def test_a_continuation_held_by_a_pause_is_ended_by_abort_outstanding(engine):
+    """Dynamic sampling's abort reaches a continuation that waits for the push to end: it does not run to its end
+    once generation resumes."""
+    out: dict = {}
+    clients: list[EngineClient] = []
+
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def run():
+        client = EngineClient(engine, continue_aborted=True)
+        clients.append(client)
+        loops.append(asyncio.get_running_loop())
+        return await client.generate(requests(1, LONG)[0].input_ids, LONG, request_id="held")
+
+    worker = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(run())))
+    worker.start()
+    time.sleep(0.3)
+    asyncio.run(engine.pause("abort"))
+    deadline = time.time() + 60
+    while clients[0].num_continued < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the continuation reaches the engine, which holds it
+    ended = asyncio.run_coroutine_threadsafe(clients[0].abort_outstanding(), loops[0]).result(timeout=60)
+    assert ended == 1
+    asyncio.run(engine.resume())
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert out["r"].finish_reason == FinishReason.ABORT and len(out["r"].output_ids) < 900

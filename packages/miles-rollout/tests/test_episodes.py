@@ -579,3 +579,27 @@ def test_a_tool_episode_is_the_templates_rendering_of_the_tools_the_call_and_the
     masked_out = [t for t, m in zip(sample.response_ids, sample.loss_mask, strict=True) if not m]
     assert tokenizer.decode(masked_out) == "<|tool|>42<|end|><|assistant|>"  # the tool's turn, not trained
     assert sample.metadata["episode"]["env_reward"] == 1.0 and sample.metadata["episode"]["end_reason"] == "done"
+
+
+class RefusingEngine:
+    """Test double (not an engine): aborts every request before its first id, as SGLang does for a request it
+    refuses."""
+
+    name = "refusing"
+    weight_version = 0
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def generate(self, requests):
+        from miles_rollout.types import FinishReason, GenerateResult
+
+        self.calls += 1
+        return [GenerateResult(r.request_id, [], [], FinishReason.ABORT, [0]) for r in requests]
+
+
+def test_partial_rollouts_do_not_retry_a_request_the_engine_refuses():
+    engine = RefusingEngine()
+    client = EngineClient(engine, continue_aborted=True)
+    result = asyncio.run(client.generate([1, 2], SamplingParams(max_new_tokens=8)))
+    assert result.output_ids == [] and engine.calls == 2 and client.num_continued == 1  # one try, then it stops

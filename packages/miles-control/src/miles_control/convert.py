@@ -11,8 +11,8 @@ def to_train_batch(batch: RolloutBatch, staleness: list[int] | None = None) -> T
     recomputes logprobs at the temperature the engine reported them at (`SamplingParams.logprob_temperature`).
 
     `staleness`, one per sample of `batch`, is the trainer version minus the oldest engine version the
-    sample was generated under (asynchronous schedules); a sample continued across a push (partial rollouts) gives
-    each token its own age (`token_staleness`).
+    sample was generated under (asynchronous schedules); a sample that spans a push (any pause mode, or continued
+    by partial rollouts) gives each token its own age (`token_staleness`).
     """
     if batch.sampling is None:
         raise ValueError("to_train_batch: the RolloutBatch does not say how it was sampled (batch.sampling is None)")

@@ -53,7 +53,8 @@ class EngineClient:
         `continue_aborted` (`rollout.partial_rollouts`): a request the engine aborted for a weight push (pause mode
         `abort`) is sent again as prompt + what it generated so far, for the tokens it still had to generate; the
         engine takes it once the push is done, so the rest is generated under the new weights. The answer joins the
-        parts: their ids, logprobs and the version of every id. Requests ended by `abort_outstanding` stay ended."""
+        parts: their ids, logprobs and the version of every id. Requests ended by `abort_outstanding` stay ended, and
+        so does a continuation the engine aborts before its first id (a request it refuses)."""
         self.engine = engine
         self.continue_aborted = continue_aborted
         self.num_continued = 0  # continuation requests sent (partial rollouts)
@@ -94,7 +95,12 @@ class EngineClient:
             result = await self._request(list(input_ids) + done, rest, f"{request_id}+{len(parts)}")
             parts.append(result)
             made += len(result.output_ids)
-        return parts[0] if len(parts) == 1 else join_parts(parts)
+            if not result.output_ids:  # aborted before its first id: not a push's doing (a refused request)
+                break
+        joined = parts[0] if len(parts) == 1 else join_parts(parts)
+        if joined.finish_reason == FinishReason.ABORT and made >= sampling.max_new_tokens and self.continue_aborted:
+            joined.finish_reason = FinishReason.LENGTH  # aborted with every id it could have: it is complete
+        return joined
 
     async def _request(self, input_ids: list[int], sampling: SamplingParams, request_id: str) -> GenerateResult:
         self._count += 1

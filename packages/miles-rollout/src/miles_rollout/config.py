@@ -199,8 +199,10 @@ class RolloutConfig(_Strict):
     partial_rollouts: bool = Field(
         False,
         description="A request aborted by a weight push (schedule.pause_mode: abort) continues under the new weights "
-        "from the tokens it had, instead of its sample being dropped; every response id records the version it was "
-        "generated under (Sample.token_versions), and train.staleness weighs each token by its own age.",
+        "from the tokens it had, instead of its sample being dropped (no effect with pause_mode in_place or retract, "
+        "which keep in-flight requests anyway, nor under the sync schedule, which pushes with nothing in flight). "
+        "Whatever this flag, every response id records the version it was generated under (Sample.token_versions) "
+        "and train.grpo.staleness weighs each token by its own age.",
     )
     overlong_penalty: OverlongPenaltyConfig | None = Field(
         None, description="Penalise responses near max_new_tokens in the reward (None: off)."

@@ -201,7 +201,10 @@ def check_sample(sample: Any, vocab_size: int | None, where: str) -> Sample:
     per_id = sample.token_versions
     if per_id and (not isinstance(per_id, list) or len(per_id) != n):
         size = len(per_id) if isinstance(per_id, list) else type(per_id).__name__
-        raise ValueError(f"{where}: token_versions has {size} entries for {n} response ids (or leave it empty)")
+        raise ValueError(
+            f"{where}: token_versions has {size} entries for {n} response ids (a list, one per id; set it to [] "
+            "after changing response_ids, and every id counts as the oldest version)"
+        )
     if per_id and not set(per_id) <= set(sample.weight_versions):
         raise ValueError(
             f"{where}: token_versions holds {sorted(set(per_id) - set(sample.weight_versions))}, which "

@@ -29,15 +29,6 @@ class TrainBatch:
         n = len(self.input_ids)
         if self.staleness is not None and len(self.staleness) != n:
             raise ValueError(f"TrainBatch.staleness has {len(self.staleness)} rows, input_ids has {n}")
-        if self.token_staleness is not None:
-            if len(self.token_staleness) != n:
-                raise ValueError(f"TrainBatch.token_staleness has {len(self.token_staleness)} rows, input_ids has {n}")
-            for i, row in enumerate(self.token_staleness):
-                if len(row) != len(self.input_ids[i]) - self.response_start[i]:
-                    raise ValueError(
-                        f"TrainBatch row {i}: {len(row)} token_staleness entries for "
-                        f"{len(self.input_ids[i]) - self.response_start[i]} response tokens"
-                    )
         for field_name in ("response_start", "rollout_logprobs", "loss_mask", "rewards", "group_index"):
             if len(getattr(self, field_name)) != n:
                 raise ValueError(
@@ -50,6 +41,15 @@ class TrainBatch:
                     f"TrainBatch row {i}: {num_response} response tokens but "
                     f"{len(self.rollout_logprobs[i])} logprobs and {len(self.loss_mask[i])} mask entries"
                 )
+        if self.token_staleness is not None:
+            if len(self.token_staleness) != n:
+                raise ValueError(f"TrainBatch.token_staleness has {len(self.token_staleness)} rows, input_ids has {n}")
+            for i, row in enumerate(self.token_staleness):
+                if len(row) != len(self.input_ids[i]) - self.response_start[i]:
+                    raise ValueError(
+                        f"TrainBatch row {i}: {len(row)} token_staleness entries for "
+                        f"{len(self.input_ids[i]) - self.response_start[i]} response tokens"
+                    )
 
     def __len__(self) -> int:
         return len(self.input_ids)

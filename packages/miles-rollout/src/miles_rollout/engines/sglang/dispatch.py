@@ -40,6 +40,10 @@ class Dispatcher:
 
     def __init__(self, config: SGLangEngineConfig, slots: list[Slot], router: Router) -> None:
         self.config, self.slots, self.router = config, slots, router
+        # abort(): ids no server may hold yet (a call waiting for a slot, e.g. held by a pause): such a call ends
+        # aborted once it gets its slot, instead of running to its end
+        self._aborted: set[str] = set()
+        self._waiting: set[str] = set()  # ids of the calls this dispatcher runs now
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Split into calls of at most `max_requests_per_call` (one sampling setting each), run concurrently."""
@@ -62,8 +66,22 @@ class Dispatcher:
     ) -> list[GenerateResult]:
         """Run one call; if its server fails or is quarantined meanwhile, run it again on another."""
         max_attempts = len(self.slots) * (self.config.max_restarts + 2)
+        ids = {r.request_id for r in requests}
+        self._waiting |= ids
+        try:
+            return await self._attempts(client, sampling, requests, max_attempts)
+        finally:
+            self._waiting -= ids
+            self._aborted -= ids
+
+    async def _attempts(
+        self, client: httpx.AsyncClient, sampling: SamplingParams, requests: list[GenerateRequest], max_attempts: int
+    ) -> list[GenerateResult]:
         for _attempt in range(max_attempts):
             slot = await self.router.acquire(self.config.startup_timeout_s + 60)
+            if all(r.request_id in self._aborted for r in requests):  # aborted while it waited: never sent
+                self.router.release(slot)
+                return [GenerateResult(r.request_id, [], [], FinishReason.ABORT, []) for r in requests]
             try:
                 results = await self._generate_on(client, slot, sampling, requests)
                 slot.served += 1
@@ -80,7 +98,9 @@ class Dispatcher:
 
     async def abort(self, request_ids: list[str]) -> None:
         """SGLang's /abort_request for each id on every admitted server (a server that does not hold it ignores it);
-        the aborted requests return what they generated so far with finish reason `abort`."""
+        the aborted requests return what they generated so far with finish reason `abort`. A call still waiting for
+        a server (held by a pause) ends aborted when it gets one."""
+        self._aborted.update(set(request_ids) & self._waiting)  # only ids a call still holds: the set stays small
         async with httpx.AsyncClient(timeout=30) as client:
             calls = [
                 client.post(f"{slot.url}/abort_request", json={"rid": rid})
