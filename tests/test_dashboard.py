@@ -1,5 +1,6 @@
 """The dashboard's pages (streamlit AppTest) against a real `miles serve` (launcher off) on a seeded store."""
 
+import re
 import time
 from pathlib import Path
 
@@ -116,6 +117,20 @@ def test_job_page_shows_timeline_breakdown_sync_samples(app, dashboard_api):
     assert len(at.get("vega_lite_chart")) >= 4  # metrics, timeline, breakdown, throughput, sync
     samples = [d.value for d in at.dataframe if "response" in d.value.columns]
     assert samples and samples[0]["response"].tolist() == ["42"]
+    assert re.search(r"Started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d · ran \d+", body), body  # no ETA: it has ended
+    assert "ETA" not in body
+    assert "No attempt yet" in "\n".join(i.value for i in at.info)  # the Logs tab of a job seeded without a driver
+    assert any("name: sync-run" in c.value and "num_steps: 5" in c.value for c in at.code)  # the Spec tab
+
+
+def test_job_page_gives_the_eta_of_a_running_job(app, dashboard_api):
+    at = app.run()
+    at.switch_page("views/job.py")
+    at.session_state["job_id"] = dashboard_api["running"]
+    at.run()
+    assert not at.exception
+    # 5 of 50 steps done, one every 4 s: 45 steps × 4 s
+    assert "ETA 3 min 00 s (45 steps at 4.0 s a step)" in texts(at)
 
 
 def test_tune_page_asks_for_confirmation_then_records_the_change(app, dashboard_api):
@@ -134,8 +149,29 @@ def test_tune_page_asks_for_confirmation_then_records_the_change(app, dashboard_
     assert dashboard_api["store"].schedule_changes(dashboard_api["running"]) == []  # not before confirming
     at.button(key="confirm").click().run()
     assert any("queued" in s.value for s in at.success), [e.value for e in at.error]
+    assert not any("Apply" in w.value for w in at.warning)  # the confirmation cleared once submitted
     [change] = dashboard_api["store"].schedule_changes(dashboard_api["running"])
     assert change.patch == {"update_weights_interval": 2} and change.status == "pending"
+
+
+def test_tune_disables_what_does_nothing_and_keeps_finished_history(app, dashboard_api):
+    store = dashboard_api["store"]
+    sync_job = seed_run(store, "sync-live", "sync", 50, JobStatus.RUNNING)
+    try:
+        at = app.run()
+        at.switch_page("views/tune.py")
+        at.session_state["job_id"] = sync_job
+        at.run()
+        assert not at.exception
+        [mode] = [b for b in at.selectbox if b.label == "pause_mode"]
+        assert mode.disabled and "generates nothing while weights are pushed" in texts(at)
+    finally:
+        store.set_status(sync_job, JobStatus.CANCELLED)
+    at.session_state["job_id"] = dashboard_api["done"]
+    at.toggle(key="tune_finished").set_value(True).run()
+    assert not at.exception
+    assert "This job has succeeded: its schedule can no longer change" in "\n".join(i.value for i in at.info)
+    assert not [b for b in at.button if b.key == "confirm"]
 
 
 def test_compare_page_puts_runs_side_by_side(app, dashboard_api):

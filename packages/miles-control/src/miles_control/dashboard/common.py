@@ -131,6 +131,37 @@ def age(moment: datetime) -> str:
     return f"{max(seconds, 0):.0f} s ago"
 
 
+def clock(moment: datetime | str) -> str:
+    """A stored time (UTC) as the dashboard's local wall time, to the second."""
+    if isinstance(moment, str):
+        moment = datetime.fromisoformat(moment)
+    moment = moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def duration(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    hours, rest = divmod(int(seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
+def timing(job, steps: list) -> str:
+    """Started, how long it ran (or has run), and while it runs the ETA from its last ten steps' pace."""
+    if job.started_at is None:
+        return f"Created {clock(job.created_at)}; not started yet."
+    start = job.started_at if job.started_at.tzinfo else job.started_at.replace(tzinfo=timezone.utc)
+    end = job.finished_at or datetime.now(timezone.utc)
+    end = end if end.tzinfo else end.replace(tzinfo=timezone.utc)
+    text = f"Started {clock(start)} · ran {duration((end - start).total_seconds())}"
+    recent = sorted(steps, key=lambda s: s.step)[-10:]
+    remaining = job.num_steps - (job.last_step or 0)
+    if job.status in ACTIVE and len(recent) >= 2 and remaining > 0:
+        pace = (recent[-1].ended_at - recent[0].ended_at) / (len(recent) - 1)
+        text += f" · ETA {duration(pace * remaining)} ({remaining} steps at {pace:.1f} s a step)"
+    return text
+
+
 def choose_job(
     client: MilesClient, label: str = "Job", only_active: bool = False, show_status: bool = True
 ) -> JobPublic | None:

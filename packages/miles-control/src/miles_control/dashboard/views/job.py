@@ -3,8 +3,9 @@ samples and events; refreshed every few seconds while the job runs."""
 
 import pandas as pd
 import streamlit as st
+import yaml
 from charts import KEY_METRICS, breakdown, breakdown_chart, gantt, metric_grid, metrics_frame, series_chart, spans_frame
-from common import ACTIVE, api, choose_job, rows, status_text
+from common import ACTIVE, api, choose_job, clock, rows, status_text, timing
 
 from miles_control.client import ApiError
 
@@ -26,6 +27,7 @@ def show() -> None:
         f"step {job.last_step or 0}/{job.num_steps}"
     )
     head.progress(min(1.0, (job.last_step or 0) / max(job.num_steps, 1)))
+    head.caption(timing(job, client.steps(job_id)))
     if job.error:
         head.error(job.error)
     if job.status in ACTIVE and actions.button("Cancel", key="cancel"):
@@ -33,7 +35,9 @@ def show() -> None:
     if job.resumable and actions.button("Resume", key="resume"):
         _act(lambda: client.resume(job_id), "queued again")
 
-    tabs = st.tabs(["Metrics", "Timeline", "Time breakdown", "Throughput", "Weight sync", "Samples", "Events"])
+    tabs = st.tabs(
+        ["Metrics", "Timeline", "Time breakdown", "Throughput", "Weight sync", "Samples", "Events", "Logs", "Spec"]
+    )
     points = metrics_frame(rows(client.metrics(job_id)))
     changes = rows(client.schedule_changes(job_id))
     with tabs[0]:
@@ -97,12 +101,40 @@ def show() -> None:
             step = st.selectbox("Step", steps, key=f"sample_step-{job_id}-{steps[0]}")
             st.dataframe(pd.DataFrame([s for s in samples if s["step"] == step]), hide_index=True)
     with tabs[6]:
-        events = rows(client.events(job_id, limit=1000))
+        events = sorted(rows(client.events(job_id, limit=1000)), key=lambda e: e["created_at"], reverse=True)
+        for event in events:  # newest first, with readable times
+            event["time"] = clock(event["created_at"])
         st.dataframe(
-            pd.DataFrame(events, columns=["created_at", "kind", "step", "message"]),
+            pd.DataFrame(events, columns=["time", "kind", "step", "message"]),
             hide_index=True,
             width="stretch",
         )
+    with tabs[7]:
+        _logs(job)
+    with tabs[8]:
+        st.caption("The job's spec as launched (defaults filled in), as the API stores it.")
+        st.code(yaml.safe_dump(job.spec, sort_keys=False), language="yaml")
+
+
+def _logs(job) -> None:
+    """The driver's log of an attempt (the last by default), its tail; the page's refresh follows it."""
+    numbers = [a.number for a in job.attempts]
+    if not numbers:
+        st.info("No attempt yet: the job has not started.")
+        return
+    left, right = st.columns([1, 1])
+    attempt = left.selectbox("Attempt", numbers[::-1], key=f"log_attempt-{job.id}-{numbers[-1]}")
+    kib = right.select_slider("Tail (KiB)", [16, 64, 256, 1024], value=64, key="log_tail")
+    try:
+        text = client.logs(job.id, attempt=attempt, tail_bytes=kib << 10)
+    except ApiError as exc:
+        st.info(exc.message)
+        return
+    st.caption(
+        f"The driver's log of attempt {attempt} (the last {kib} KiB"
+        + ("; it follows the job while it runs)" if job.status in ACTIVE else ")")
+    )
+    st.code(text or "(empty)", language="log")
 
 
 def _act(call, done: str) -> None:
