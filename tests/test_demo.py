@@ -58,9 +58,11 @@ def test_short_demo_learns(tmp_path):
     assert job.status == "succeeded", job.error
     curve = dict(store.metric_series(1, "eval/accuracy"))
     start, end = curve[0], curve[steps]
-    # The rewards are the steady signal: 5 steps × 512 samples, a standard error of about 0.01 on each mean.
+    # The rewards are the steady signal: 5 steps × 512 samples, a standard error of about 0.008 on each mean and
+    # 0.011 on their difference, so a run that does not learn passes the 0.025 bar about once in a hundred. The gain
+    # itself varies from run to run (SGLang on CPU is not bit-reproducible): 0.079 here (0.22 → 0.30), 0.042 in one CI run.
     rewards = [v for _, v in store.metric_series(1, "rollout/reward_mean")]
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, rewards
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.025, rewards
     # Held-out: the same 500 prompts at both ends (an accuracy's standard error is about 0.022); the gain in 20
     # steps measured 0.07–0.24, depending on where the warm start stopped.
     assert end >= start + 0.05, curve
