@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from streamlit.testing.v1 import AppTest
 
 from miles_control.config import JobSpec
@@ -82,6 +83,18 @@ def test_jobs_page_lists_jobs_and_places_api_errors_on_yaml_lines(app, dashboard
     at.text_area(key="spec_yaml").set_value("name: bad\nrollout:\n  sampling:\n    top_p: 5\n").run()
     at.button(key="launch").click().run()
     assert "line 4 · `rollout.sampling.top_p`: Input should be less than or equal to 1" in texts(at)
+    # the spec numbered, the error's line marked
+    assert any("4 >     top_p: 5   # <- Input should be less than or equal to 1" in c.value for c in at.code)
+    before = dashboard_api["store"].jobs()[1]
+    at.text_area(key="spec_yaml").set_value("name: typo\nschedule:\n  type: fully_async\n  max_stalenes: 2\n").run()
+    at.button(key="validate").click().run()
+    assert "line 4 · `schedule.max_stalenes`: Extra inputs are not permitted; did you mean 'max_staleness'?" in texts(
+        at
+    )
+    at.text_area(key="spec_yaml").set_value("name: fine\nschedule:\n  type: fully_async\n  max_staleness: 2\n").run()
+    at.button(key="validate").click().run()
+    assert any("Valid: fine would run 300 steps on the fully_async schedule" in s.value for s in at.success)
+    assert dashboard_api["store"].jobs()[1] == before  # validating created nothing
     at.text_area(key="spec_yaml").set_value("name: [unclosed\n").run()
     at.button(key="launch").click().run()
     assert any("Invalid YAML: line" in e.value for e in at.error)
@@ -92,9 +105,23 @@ def test_jobs_page_lists_jobs_and_places_api_errors_on_yaml_lines(app, dashboard
     at.selectbox(key="preset").set_value("quick").run()
     assert "name: arithmetic-quick" in at.text_area(key="spec_yaml").value
     at.button(key="launch").click().run()
-    assert any("is queued" in s.value for s in at.success), [e.value for e in at.error]
+    assert not at.error, [e.value for e in at.error]
     created = max(j.id for j in dashboard_api["store"].jobs()[0])
     assert dashboard_api["store"].job(created).name == "arithmetic-quick"
+    assert f"#{created} arithmetic-quick" in texts(at)  # straight to the new job's page
+
+
+def test_launch_can_start_from_an_earlier_jobs_spec(app, dashboard_api):
+    at = app.run()
+    at.radio(key="launch_from").set_value("an earlier job").run()
+    at.selectbox(key="clone").set_value(dashboard_api["done"]).run()
+    cloned = yaml.safe_load(at.text_area(key="spec_yaml").value)
+    assert cloned["name"] == "sync-run-again" and cloned["schedule"]["num_steps"] == 5
+    assert "output_dir" not in cloned and "dir" not in cloned["sync"]  # what the server chose for that job
+    at.button(key="validate").click().run()
+    assert any("Valid: sync-run-again would run 5 steps on the sync schedule" in s.value for s in at.success), [
+        e.value for e in at.error
+    ]
 
 
 def test_job_page_shows_timeline_breakdown_sync_samples(app, dashboard_api):

@@ -71,6 +71,10 @@ def test_bad_input_gets_4xx_naming_the_problem(api):
     assert "body.extra" in field_errors(api.post("/api/v1/jobs", json={"spec": {"name": "x"}, "extra": 1}))
     errors = field_errors(api.post("/api/v1/jobs", json={"spec": {"name": "x", "rollout": {"bogus": 1}}}))
     assert "body.spec.rollout.bogus" in errors and "Extra inputs" in errors["body.spec.rollout.bogus"]
+    spec = {"name": "x", "schedule": {"type": "fully_async", "max_stalenes": 2}, "rollout": {"num_prompts_per_stp": 2}}
+    errors = field_errors(api.post("/api/v1/jobs", json={"spec": spec}))
+    assert errors["body.spec.schedule.max_stalenes"].endswith("did you mean 'max_staleness'?"), errors
+    assert errors["body.spec.rollout.num_prompts_per_stp"].endswith("did you mean 'num_prompts_per_step'?"), errors
     errors = field_errors(api.post("/api/v1/jobs", json={"spec": {"name": "x", "schedule": {"num_steps": "many"}}}))
     assert "body.spec.schedule.num_steps" in errors
     assert "body.spec" in field_errors(api.post("/api/v1/jobs", json={"spec": []}))
@@ -205,7 +209,7 @@ def test_operation_ids_are_stable(api):
     assert ids == sorted(
         """cancel_job create_job get_events get_job get_logs get_metrics get_samples get_spans get_steps get_summary health
         list_attempts list_checkpoints list_jobs list_metric_names list_presets list_schedule_changes patch_schedule
-        prometheus_metrics resume_job stream_events""".split()
+        prometheus_metrics resume_job stream_events validate_job""".split()
     )
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 

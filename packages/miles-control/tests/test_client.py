@@ -56,6 +56,19 @@ def test_calls_return_the_apis_models_and_errors_name_the_field(api):
     with pytest.raises(ApiError) as bad:
         admin.create_job({"name": "bad", "rollout": {"sampling": {"top_p": 5}}})
     assert bad.value.status == 422 and "rollout.sampling.top_p" in bad.value.fields
+    jobs_before = reader.jobs().total
+    checked = admin.validate_job({"name": "checked", "schedule": {"type": "one_step_off"}})
+    assert checked["schedule"]["update_weights_interval"] == 1 and checked["output_dir"].startswith("/")  # filled in
+    with pytest.raises(ApiError) as bad:
+        admin.validate_job({"name": "bad", "schedule": {"max_stalenes": 2}})
+    assert bad.value.fields == {"schedule.max_stalenes": "Extra inputs are not permitted; did you mean "
+                                "'max_staleness' (a field of fully_async, not of sync)?"}  # fmt: skip
+    with pytest.raises(ApiError) as bad:  # the same checks as create_job, the server's policy included
+        admin.validate_job({"name": "bad", "ray": {"address": "10.0.0.1:6379"}})
+    assert bad.value.status == 422 and list(bad.value.fields) == ["ray.address"]
+    with pytest.raises(ApiError) as refused:
+        reader.validate_job({"name": "x"})
+    assert refused.value.status == 403 and reader.jobs().total == jobs_before  # validating creates nothing
     assert admin.cancel(job_id).cancel_requested
     api.store.set_status(job_id, JobStatus.CANCELLED)
     kinds = [kind for kind, _, _ in reader.stream_events(job_id)]

@@ -54,8 +54,29 @@ def errors_of(path, overrides=()):
 
 def test_unknown_field_is_named(tmp_path):
     assert errors_of(write(tmp_path, "name: x\nrollout:\n  num_samples_per_promt: 4\n")) == [
-        "rollout.num_samples_per_promt: Extra inputs are not permitted"
+        "rollout.num_samples_per_promt: Extra inputs are not permitted; did you mean 'num_samples_per_prompt'?"
     ]
+    assert errors_of(write(tmp_path, "name: x\nzzz: 1\n")) == ["zzz: Extra inputs are not permitted"]  # none close
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("schedule: {type: fully_async, max_stalenes: 2}", "schedule.max_stalenes: Extra inputs are not permitted; "
+         "did you mean 'max_staleness'?"),  # a schedule dropped unknown names before: it ran with the default
+        ("schedule: {max_staleness: 3}", "schedule.max_staleness: Extra inputs are not permitted; "
+         "'max_staleness' is a field of fully_async, not of sync"),
+        ("schedule: {update_weights_intrval: 3}", "schedule.update_weights_intrval: Extra inputs are not permitted; "
+         "did you mean 'update_weights_interval' (a field of one_step_off, fully_async, not of sync)?"),
+        ("train: {backend: {type: fsdp2, tensor_parallel_size: 2}}", "train.backend.tensor_parallel_size: Extra "
+         "inputs are not permitted; 'tensor_parallel_size' is a field of megatron, torchtitan, not of fsdp2"),
+        ("model: {source: path, path: m, hidden_size: 8}", "model.hidden_size: Extra inputs are not permitted; "
+         "'hidden_size' is a field of builtin, not of path"),  # the tag `path` is also a field: not in the location
+        ("sync: {transport: disk, dri: /x}", "sync.dri: Extra inputs are not permitted; did you mean 'dir'?"),
+    ],
+)  # fmt: skip
+def test_an_unknown_field_gets_a_hint(tmp_path, text, error):
+    assert errors_of(write(tmp_path, f"name: x\n{text}\n")) == [error]
 
 
 def test_wrong_type_and_range_are_named(tmp_path):
@@ -116,16 +137,18 @@ def test_schedule_and_sync_take_only_their_types_fields(tmp_path):
     from miles_control.config import FullyAsyncSchedule, SyncSchedule
 
     assert errors_of(write(tmp_path, "name: x\nschedule:\n  max_staleness: 2\n")) == [
-        "schedule.max_staleness: Extra inputs are not permitted"  # the default schedule (sync) has no staleness
+        "schedule.max_staleness: Extra inputs are not permitted; 'max_staleness' is a field of fully_async, not of "
+        "sync"  # the default schedule (sync) has no staleness
     ]
     assert errors_of(write(tmp_path, "name: x\nschedule:\n  type: one_step_off\n  buffer_groups: 4\n")) == [
-        "schedule.buffer_groups: Extra inputs are not permitted"
+        "schedule.buffer_groups: Extra inputs are not permitted; 'buffer_groups' is a field of fully_async, not of "
+        "one_step_off"
     ]
     assert errors_of(write(tmp_path, "name: x\nsync:\n  transport: tensor\n  dir: /w\n")) == [
-        "sync.dir: Extra inputs are not permitted"
+        "sync.dir: Extra inputs are not permitted; 'dir' is a field of disk, not of tensor"
     ]
     assert errors_of(write(tmp_path, "name: x\nsync:\n  master_port: 29500\n")) == [
-        "sync.master_port: Extra inputs are not permitted"  # the default transport (disk) has no rendezvous
+        "sync.master_port: Extra inputs are not permitted; 'master_port' is a field of broadcast, p2p, not of disk"
     ]
     errors = errors_of(write(tmp_path, "name: x\nschedule:\n  type: fully_async\n  update_weights_interval: 3\n"))
     assert errors == ["schedule: Value error, max_staleness 1 < update_weights_interval - 1 = 2: between pushes "

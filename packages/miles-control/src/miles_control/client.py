@@ -30,6 +30,7 @@ from miles_control.api.schemas import (
     SamplePublic,
     ScheduleChangePublic,
     SpanPublic,
+    SpecCheck,
     StepPublic,
 )
 
@@ -40,6 +41,7 @@ OPERATIONS: dict[str, tuple[str, str, str]] = {
     "health": ("GET", "/api/v1/health", "health"),
     "list_jobs": ("GET", "/api/v1/jobs", "jobs"),
     "create_job": ("POST", "/api/v1/jobs", "create_job"),
+    "validate_job": ("POST", "/api/v1/jobs/validate", "validate_job"),
     "get_job": ("GET", "/api/v1/jobs/{job_id}", "job"),
     "cancel_job": ("POST", "/api/v1/jobs/{job_id}/cancel", "cancel"),
     "resume_job": ("POST", "/api/v1/jobs/{job_id}/resume", "resume"),
@@ -224,6 +226,11 @@ class MilesClient:
     def create_job(self, spec: dict[str, Any] | BaseModel) -> JobDetail:
         body = spec.model_dump(mode="json") if isinstance(spec, BaseModel) else spec
         return self._call(JobDetail, "create_job", json={"spec": body})
+
+    def validate_job(self, spec: dict[str, Any] | BaseModel) -> dict[str, Any]:
+        """The spec as a job would run it, or an ApiError (422) whose `fields` name every problem; creates nothing."""
+        body = spec.model_dump(mode="json") if isinstance(spec, BaseModel) else spec
+        return self._call(SpecCheck, "validate_job", json={"spec": body}).spec
 
     def cancel(self, job_id: int) -> JobDetail:
         return self._call(JobDetail, "cancel_job", job_id)

@@ -131,7 +131,11 @@ class ScheduleBase(_Strict):
         """Jobs stored before the schedule types were split carry every type's fields at their defaults: a field
         another type owns is dropped when it holds that default, and refused by name otherwise."""
         if isinstance(data, dict):
-            data = {k: v for k, v in data.items() if k in cls.model_fields or _OTHER_DEFAULTS.get(k, v) != v}
+            data = {
+                k: v
+                for k, v in data.items()
+                if k in cls.model_fields or k not in _OTHER_DEFAULTS or _OTHER_DEFAULTS[k] != v
+            }  # a name no schedule type has is kept, and refused as unknown
         return data
 
     @classmethod

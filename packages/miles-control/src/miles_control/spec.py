@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from miles_control.config import JobSpec
 
@@ -65,7 +67,12 @@ def input_loc(loc: tuple[Any, ...] | list[Any], data: Any, error_type: str = "")
     current = data
     for index, part in enumerate(loc):
         missing = error_type == "missing" and index == len(loc) - 1
-        if isinstance(current, dict) and not missing and part not in current:
+        inner = index < len(loc) - 1  # a step into a value: a union's tag that is also a field (`model.path`) is not
+        if (
+            isinstance(current, dict)
+            and not missing
+            and (part not in current or (inner and not isinstance(current[part], dict | list)))
+        ):
             continue  # a union's tag
         out.append(part)
         if isinstance(current, dict):
@@ -77,12 +84,71 @@ def input_loc(loc: tuple[Any, ...] | list[Any], data: Any, error_type: str = "")
     return tuple(out)
 
 
+def _models(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation can hold (through Optional, unions, Annotated, lists, dicts)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):
+        found += _models(arg)
+    return found
+
+
+def _tag(model: type[BaseModel]) -> Any:
+    """The literal that names `model` in a discriminated union (`type: fully_async`, `source: path`), or None."""
+    for field in model.model_fields.values():
+        if typing.get_origin(field.annotation) is typing.Literal:
+            return typing.get_args(field.annotation)[0]
+    return None
+
+
+def _close(name: str, names: set[str]) -> str | None:
+    close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)  # the closest, by difflib's ratio
+    return close[0] if close else None
+
+
+def hint(loc: tuple[Any, ...] | list[Any], root: type[BaseModel] | None = None) -> str | None:
+    """For an unknown field at pydantic's error location `loc` (tags of discriminated unions included): the
+    closest field its section has ("did you mean ..."), or, where the section is one kind of several, the kinds
+    the field belongs to; None when nothing is close."""
+    if not loc:
+        return None
+    current: list[type[BaseModel]] = [root or JobSpec]
+    others: list[type[BaseModel]] = []  # the union's other kinds, when the last step chose one by its tag
+    for part in loc[:-1]:
+        # after a field that holds one of several kinds, pydantic's location names the kind (its tag)
+        if len(current) > 1 and (chosen := [m for m in current if _tag(m) == part]):
+            current, others = chosen, [m for m in current if _tag(m) != part]
+        elif fields := [m.model_fields[part] for m in current if part in m.model_fields]:
+            current, others = [m for f in fields for m in _models(f.annotation)], []
+        if not current:
+            return None
+    key = str(loc[-1])
+    if owners := [m for m in others if key in m.model_fields]:
+        kinds = ", ".join(str(_tag(m)) for m in owners)
+        return f"{key!r} is a field of {kinds}, not of {_tag(current[0])}"
+    own = {n for m in current for n in m.model_fields}
+    if (near := _close(key, own | {n for m in others for n in m.model_fields})) is None:
+        return None
+    if near in own:
+        return f"did you mean {near!r}?"
+    kinds = ", ".join(str(_tag(m)) for m in others if near in m.model_fields)
+    return f"did you mean {near!r} (a field of {kinds}, not of {_tag(current[0])})?"
+
+
+def explain(err: Any, root: type[BaseModel] | None = None) -> str:
+    """A pydantic error's message, with a hint for an unknown field that is a near miss or another kind's."""
+    if err["type"] == "extra_forbidden" and (text := hint(err["loc"], root)) is not None:
+        return f"{err['msg']}; {text}"
+    return err["msg"]
+
+
 def format_validation_error(exc: ValidationError, data: Any = None) -> list[str]:
     """One line per error, `field.path: message`, the path as written in `data` (the validated input)."""
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in input_loc(err["loc"], data, err["type"])) or "(top level)"
-        lines.append(f"{where}: {err['msg']}")
+        lines.append(f"{where}: {explain(err)}")
     return lines
 
 

@@ -26,7 +26,7 @@ from miles_control.api.routes import router
 from miles_control.api.schemas import Health, PresetPublic
 from miles_control.api.settings import ServerSettings
 from miles_control.launch import Launcher
-from miles_control.spec import input_loc
+from miles_control.spec import explain, input_loc
 from miles_control.store import JobStatus, Store
 
 log = logging.getLogger(__name__)
@@ -163,9 +163,11 @@ def _finite(value):
 
 async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 (one entry per field, with `loc` and `msg`), safe for any input it echoes. A location in the
-    body is given as the body spells it (without the tags of discriminated unions)."""
+    body is given as the body spells it (without the tags of discriminated unions); an unknown field of a job spec
+    gets a hint (the near miss it may be, or the kinds of section that have it)."""
     errors = [
         {**e, "loc": ("body", *input_loc(e["loc"][1:], exc.body, e["type"]))}
+        | ({"msg": explain({**e, "loc": e["loc"][2:]})} if e["loc"][1:2] == ("spec",) else {})  # "did you mean"
         if e.get("loc", ())[:1] == ("body",)
         else e
         for e in exc.errors()

@@ -30,6 +30,7 @@ from miles_control.api.schemas import (
     ScheduleChangePublic,
     SchedulePatch,
     SpanPublic,
+    SpecCheck,
     StepPublic,
 )
 from miles_control.schedules.control import ScheduleChangeError, queue_schedule_change
@@ -106,6 +107,21 @@ def create_job(body: JobCreate, request: Request, _: AdminToken) -> JobDetail:
     store = _store(request)
     job_id = store.create_job(spec.name, spec.model_dump(mode="json", exclude={"store"}), source="api")
     return _detail(store, store.job(job_id))
+
+
+@router.post(
+    "/validate",
+    response_model=SpecCheck,
+    summary="Check a job spec as create_job would, without creating a job",
+    responses=documented(400, 403, 413),
+)
+def validate_job(body: JobCreate, request: Request, _: AdminToken) -> SpecCheck:
+    """The same checks as `create_job` (the spec's own, then this server's policy): a 422 lists every problem by
+    field; a 200 gives the spec as the job would run it (defaults filled in, paths made absolute)."""
+    spec, problems = check_spec(body.spec, request.app.state.settings)
+    if problems:
+        raise HTTPException(422, problems)
+    return SpecCheck(spec=spec.model_dump(mode="json", exclude={"store"}))
 
 
 @router.get("", response_model=JobPage, summary="List jobs, newest first")

@@ -179,6 +179,10 @@ class RunSummaryPublic(BaseModel):
     weight_sync_mean_s: float | None
 
 
+class SpecCheck(BaseModel):
+    spec: dict[str, Any] = Field(description="The spec as a job would run it: defaults filled in, paths absolute.")
+
+
 class PresetPublic(BaseModel):
     name: str = Field(description="The file's name without .yaml.")
     spec_yaml: str = Field(description="The job spec as the file writes it.")

@@ -38,3 +38,32 @@ def field_line(text: str, path: str) -> int | None:
         else:
             break
     return line
+
+
+SERVER_CHOSEN = (("output_dir",), ("sync", "dir"), ("sync", "master_address"), ("sync", "master_port"), ("store",))
+"""Fields a job over the API leaves to the server: a clone of a stored spec leaves them out."""
+
+
+def clone_spec(spec: dict) -> dict:
+    """An earlier job's stored spec (defaults filled in) as a spec to launch again: without what the server
+    chose for it, named "<name>-again"."""
+    data = yaml.safe_load(yaml.safe_dump(spec))  # a deep copy
+    for path in SERVER_CHOSEN:
+        node = data
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    data["name"] = f"{data.get('name', 'job')}-again"
+    return data
+
+
+def numbered(text: str, marks: dict[int, str]) -> str:
+    """The YAML with its line numbers, and `# <- message` after each line in `marks` (1-based)."""
+    lines = text.splitlines() or [""]
+    width = len(str(len(lines)))
+    out = []
+    for number, line in enumerate(lines, 1):
+        mark = f"   # <- {marks[number]}" if number in marks else ""
+        out.append(f"{number:>{width}} {'>' if number in marks else ' '} {line}{mark}")
+    return "\n".join(out)

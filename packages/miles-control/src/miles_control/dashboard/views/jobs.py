@@ -1,10 +1,11 @@
 """Jobs: the list (status, schedule, progress, age; filters; refreshed by itself) and launching from a preset or
-YAML."""
+an earlier job's spec, edited as YAML, validated by the API before or as it launches."""
 
 import pandas as pd
 import streamlit as st
+import yaml
 from common import ACTIVE, RETRY_S, age, api
-from specs import SpecSyntaxError, field_line, parse_yaml
+from specs import SpecSyntaxError, clone_spec, field_line, numbered, parse_yaml
 
 from miles_control.client import ApiError
 
@@ -57,30 +58,61 @@ def job_list() -> None:
 job_list()
 
 st.header("Launch")
-presets = {p.name: p.spec_yaml for p in client.presets()}  # the server's presets_dir
-names = sorted(presets)
-preset = st.selectbox("Preset", names, index=names.index("quick") if "quick" in names else 0, key="preset")
-if preset is not None and st.session_state.get("loaded_preset") != preset:
-    st.session_state["spec_yaml"] = presets[preset]
-    st.session_state["loaded_preset"] = preset
+source = st.radio("Start from", ["a preset", "an earlier job"], horizontal=True, key="launch_from")
+if source == "a preset":
+    presets = {p.name: p.spec_yaml for p in client.presets()}  # the server's presets_dir
+    names = sorted(presets)
+    preset = st.selectbox("Preset", names, index=names.index("quick") if "quick" in names else 0, key="preset")
+    if preset is not None and st.session_state.get("loaded") != ("preset", preset):
+        st.session_state["spec_yaml"] = presets[preset]
+        st.session_state["loaded"] = ("preset", preset)
+else:
+    earlier = {j.id: f"#{j.id} {j.name} ({j.status})" for j in client.jobs(limit=200).items}
+    clone = st.selectbox("Job to clone", list(earlier), format_func=earlier.__getitem__, key="clone")
+    if clone is not None and st.session_state.get("loaded") != ("job", clone):
+        st.session_state["spec_yaml"] = yaml.safe_dump(clone_spec(client.job(clone).spec), sort_keys=False)
+        st.session_state["loaded"] = ("job", clone)
 text = st.text_area("Job spec (YAML)", key="spec_yaml", height=360)
-if st.button("Launch", type="primary", key="launch"):
+validate_col, launch_col, _ = st.columns([1, 1, 4])
+validate = validate_col.button("Validate", key="validate")
+launch = launch_col.button("Launch", type="primary", key="launch")
+
+
+def refused(exc: ApiError) -> None:
+    """The API's field errors, each with its YAML line, and the spec numbered with those lines marked."""
+    if not exc.fields:
+        st.error(exc.message)
+        return
+    st.error("The API refused the spec:")
+    marks = {}
+    for path, msg in exc.fields.items():
+        line = field_line(text, path)
+        st.markdown(f"- {'line ' + str(line) + ' · ' if line else ''}`{path}`: {msg}")
+        if line:
+            marks[line] = f"{marks[line]}; {msg}" if line in marks else msg
+    if marks:
+        st.code(numbered(text, marks), language="yaml")
+
+
+if validate or launch:
     try:
-        created = client.create_job(parse_yaml(text))
+        data = parse_yaml(text)
+        if validate:
+            checked = client.validate_job(data)
+        else:
+            created = client.create_job(data)
     except SpecSyntaxError as exc:
         st.error(f"Invalid YAML: {exc}")
     except ApiError as exc:
-        if exc.fields:
-            st.error("The API refused the spec:")
-            for path, msg in exc.fields.items():
-                line = field_line(text, path)
-                st.markdown(f"- {'line ' + str(line) + ' · ' if line else ''}`{path}`: {msg}")
-        else:
-            st.error(exc.message)
+        refused(exc)
     else:
-        st.session_state["job_id"] = created.id
-        st.session_state["launched"] = created
-        st.rerun()  # so that the list above shows the new job
-if launched := st.session_state.get("launched"):
-    st.success(f"Job #{launched.id} ({launched.name}) is {launched.status}.")
-    st.page_link("views/job.py", label=f"Watch job #{launched.id}", icon=":material/monitoring:")
+        if validate:
+            schedule = checked["schedule"]
+            st.success(
+                f"Valid: {checked['name']} would run {schedule['num_steps']} steps on the {schedule['type']} "
+                f"schedule with the {checked['train']['backend']['type']} backend and the "
+                f"{checked['rollout']['engine']['type']} engine."
+            )
+        else:  # straight to the new job
+            st.session_state["job_id"] = created.id
+            st.switch_page("views/job.py")
