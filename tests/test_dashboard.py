@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "packages" / "miles-control" / "src" / "miles_control" / "dashboard" / "app.py"
 
 
-def seed_run(store: Store, name: str, schedule: str, num_steps: int, final: JobStatus) -> int:
-    spec = JobSpec(name=name, schedule={"type": schedule, "num_steps": num_steps}).model_dump(mode="json")
+def seed_run(store: Store, name: str, schedule: str, num_steps: int, final: JobStatus, **fields) -> int:
+    spec = JobSpec(name=name, schedule={"type": schedule, "num_steps": num_steps}, **fields).model_dump(mode="json")
     job = store.create_job(name, spec, source="api")
     store.set_status(job, JobStatus.STARTING)
     store.set_status(job, JobStatus.RUNNING)
@@ -208,8 +208,28 @@ def test_compare_page_puts_runs_side_by_side(app, dashboard_api):
     [summary] = [d.value for d in at.dataframe if "run" in d.value.columns]
     assert sorted(summary["steps"].tolist()) == [5, 5] and summary["weight update ms (mean)"].tolist() == [50.0, 50.0]
     assert summary["achieved / ideal"].tolist() == [round(1.6 * 5 / 19.05, 2)] * 2  # rollout busy / wall
+    assert summary["train % of wall"].tolist() == [round(100 * 1.4 * 5 / 19.05, 1)] * 2  # utilisation
     assert len(at.get("vega_lite_chart")) >= 2
     assert "No report at" in texts(at)
+    [diff] = [d.value for d in at.dataframe if "field" in d.value.columns]
+    assert "schedule.type" in diff["field"].tolist() and not at.warning  # the schedule alone differs
+    assert all(f.startswith("schedule.") for f in diff["field"])
+    at.multiselect(key="cmp_metrics").set_value(["train/loss"]).run()
+    at.radio(key="cmp_axis").set_value("step").run()
+    assert not at.exception
+    [chart] = [c for c in at.get("vega_lite_chart") if "train/loss" in str(c.proto.spec)]
+    assert '"title": "step"' in chart.proto.spec
+
+
+def test_compare_warns_when_runs_differ_in_more_than_the_schedule(app, dashboard_api):
+    store = dashboard_api["store"]
+    other = seed_run(store, "bigger-batch", "sync", 5, JobStatus.SUCCEEDED, rollout={"num_prompts_per_step": 32})
+    at = app.run()
+    at.switch_page("views/compare.py").run()
+    at.multiselect(key="cmp").set_value([dashboard_api["done"], other]).run()
+    assert not at.exception
+    [warning] = [w.value for w in at.warning]
+    assert "differ in more than the schedule (rollout.num_prompts_per_step)" in warning
 
 
 def test_every_visitor_signs_in_and_no_token_reaches_a_browser(dashboard_api, monkeypatch):

@@ -67,3 +67,41 @@ def numbered(text: str, marks: dict[int, str]) -> str:
         mark = f"   # <- {marks[number]}" if number in marks else ""
         out.append(f"{number:>{width}} {'>' if number in marks else ' '} {line}{mark}")
     return "\n".join(out)
+
+
+NOT_CONFIG = ("name", "output_dir", "store")  # differ between any two runs and change nothing they compute
+
+
+def flatten(spec: dict, prefix: str = "") -> dict[str, object]:
+    """`a.b.c` → value for every leaf of a nested spec (lists are leaves)."""
+    out: dict[str, object] = {}
+    for key, value in spec.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def spec_diff(specs: dict[str, dict]) -> list[dict[str, object]]:
+    """The fields whose values differ between the runs' specs (a field one run lacks shows as None), one row
+    per field: {"field": path, label: value, ...}; names, output folders and stores left out."""
+    flat = {label: flatten(spec) for label, spec in specs.items()}
+    fields = sorted({f for leaves in flat.values() for f in leaves if f.split(".")[0] not in NOT_CONFIG})
+    rows = []
+    for field in fields:
+        values = [leaves.get(field) for leaves in flat.values()]
+        if any(v != values[0] for v in values[1:]):
+            rows.append(
+                {
+                    "field": field,
+                    **{label: repr(v) if v is not None else None for label, v in zip(flat, values, strict=True)},
+                }
+            )
+    return rows
+
+
+def beyond_schedule(rows: list[dict[str, object]]) -> list[str]:
+    """The differing fields that are not the schedule's: a comparison of schedules is fair only without them."""
+    return [str(r["field"]) for r in rows if not str(r["field"]).startswith("schedule.")]
