@@ -150,6 +150,48 @@ def test_job_page_shows_timeline_breakdown_sync_samples(app, dashboard_api):
     assert any("name: sync-run" in c.value and "num_steps: 5" in c.value for c in at.code)  # the Spec tab
 
 
+def chart_data(chart) -> list:
+    """The rows of a chart's datasets (streamlit sends them as Arrow tables beside the spec)."""
+    import pyarrow as pa
+
+    frames = [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in chart.proto.datasets]
+    if chart.proto.HasField("data"):
+        frames.append(pa.ipc.open_stream(chart.proto.data.data).read_all().to_pandas())
+    return frames
+
+
+def test_metric_charts_people_can_read(app, dashboard_api):
+    store = dashboard_api["store"]
+    job = seed_run(store, "charts-run", "one_step_off", 5, JobStatus.SUCCEEDED)
+    change = store.request_schedule_change(job, {"update_weights_interval": 2})
+    store.resolve_schedule_change(change, "applied", 3, "")
+    at = app.run()
+    at.switch_page("views/job.py")
+    at.session_state["job_id"] = job
+    at.run()
+    assert not at.exception
+    grid, timeline, _, throughput, sync = at.get("vega_lite_chart")[:5]
+    for chart in (grid, throughput, sync):  # the change, labelled, on every chart against steps
+        assert any("update_weights_interval=2 (step 3)" in f.to_string() for f in chart_data(chart)), chart.proto.spec
+    starts = [f for f in chart_data(timeline) if "start_s" in f.columns and "worker" not in f.columns]
+    assert starts and sorted(starts[0]["step"]) == [1, 2, 3, 4, 5]  # step boundaries on the timeline
+    assert at.get("download_button"), "no CSV download"
+    at.slider(key="chart_smoothing").set_value(0.5)
+    at.toggle(key="chart_log").set_value(True)
+    at.radio(key="chart_axis").set_value("wall time")
+    at.slider(key=f"chart_steps-{job}").set_value((2, 4)).run()
+    assert not at.exception
+    grid = at.get("vega_lite_chart")[0]
+    assert '"type": "log"' in grid.proto.spec and "wall time since the first point (s)" in grid.proto.spec
+    [data] = [f for f in chart_data(grid) if "kind" in f.columns]
+    reward = data[(data["name"] == "rollout/reward_mean")]
+    assert sorted(reward.loc[reward["kind"] == "raw", "step"]) == [2, 3, 4]  # the step range
+    smoothed = reward[reward["kind"] == "smoothed"].sort_values("step")["value"].tolist()
+    assert smoothed == pytest.approx([0.2, (0.3 + 0.5 * 0.2) / 1.5, (0.4 + 0.5 * 0.3 + 0.25 * 0.2) / 1.75])  # EMA
+    at.run()  # a refresh keeps the controls
+    assert at.slider(key=f"chart_steps-{job}").value == (2, 4) and at.toggle(key="chart_log").value
+
+
 def test_job_page_gives_the_eta_of_a_running_job(app, dashboard_api):
     at = app.run()
     at.switch_page("views/job.py")

@@ -52,7 +52,7 @@ def stack(tmp_path):
     SHOTS.mkdir(parents=True, exist_ok=True)
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
         page.set_default_timeout(60_000)
         try:
             yield {"page": page, "base": base, "api": api, "token": token, "store": store}
@@ -65,7 +65,7 @@ def stack(tmp_path):
 
 
 def shot(page, name: str) -> None:
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"))  # what a 1280×800 window shows
 
 
 def wait_text(page, pattern: str, timeout_s: float = 240) -> None:
@@ -143,6 +143,11 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     page.get_by_role("link", name="Compare").click()
     wait_text(page, "Compare runs")
     shot(page, "7-compare")
+    diff = page.get_by_text("Config diff").first  # the two runs differ in their schedule only: no warning
+    diff.wait_for()
+    diff.scroll_into_view_if_needed()
+    assert not page.get_by_text("differ in more than the schedule").count()
+    shot(page, "7b-compare-config-diff")
 
 
 def test_pages_refresh_by_themselves_and_ride_out_an_api_outage(stack):

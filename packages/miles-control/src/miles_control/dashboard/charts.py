@@ -41,32 +41,85 @@ def metrics_frame(points: list[dict]) -> pd.DataFrame:
     return df.astype({"step": int, "value": float, "wall_time": float})
 
 
-def metric_grid(df: pd.DataFrame, names: list[str], changes: list[dict] | None = None) -> alt.FacetChart | None:
-    """One small line chart per metric (own y scale), against step; schedule changes as vertical rules."""
+def smooth(df: pd.DataFrame, weight: float, by: list[str]) -> pd.DataFrame:
+    """An exponential moving average of `value` along the step, per series (`by`), debiased as TensorBoard's
+    smoothing is (the first points are not pulled towards 0); weight 0 leaves the values as they are."""
+    if weight <= 0 or df.empty:
+        return df
+    parts = []
+    for _, part in df.sort_values("step").groupby(by, sort=False):
+        ema = part["value"].ewm(alpha=1 - weight, adjust=True).mean()
+        parts.append(part.assign(value=ema.to_numpy()))
+    return pd.concat(parts)
+
+
+def with_axis(df: pd.DataFrame, axis: str) -> tuple[pd.DataFrame, str, str]:
+    """The frame with the x column of `axis` ("step" or "wall time": seconds since its first point), the column
+    and its title."""
+    if axis == "step":
+        return df, "step", "step"
+    start = float(df["wall_time"].min()) if not df.empty else 0.0
+    return df.assign(seconds=df["wall_time"] - start), "seconds", "wall time since the first point (s)"
+
+
+def change_rules(changes: list[dict] | None, x: str = "step", at: dict[int, float] | None = None) -> list[alt.Chart]:
+    """Schedule changes that applied, as dashed vertical rules labelled with what changed (on a wall-time axis,
+    `at` maps a step to its x)."""
+    applied = [c for c in changes or [] if c.get("applied_step") is not None]
+    if at is not None:
+        applied = [c for c in applied if c["applied_step"] in at]
+    if not applied:
+        return []
+    rules = pd.DataFrame(
+        [{x: c["applied_step"] if at is None else at[c["applied_step"]], "change": _change_label(c)} for c in applied]
+    )
+    base = alt.Chart(rules).encode(x=f"{x}:Q")
+    return [
+        base.mark_rule(color="#b279a2", strokeDash=[4, 3]).encode(tooltip=["change:N"]),
+        base.mark_text(align="left", baseline="top", dx=3, dy=2, fontSize=10, color="#b279a2").encode(
+            text="change:N", y=alt.value(0)
+        ),
+    ]
+
+
+def metric_grid(
+    df: pd.DataFrame,
+    names: list[str],
+    changes: list[dict] | None = None,
+    axis: str = "step",
+    log: bool = False,
+    smoothing: float = 0.0,
+) -> alt.FacetChart | None:
+    """One line chart per metric (own y scale, unit in the title), against step or wall time; optional EMA
+    smoothing (the raw points stay, faint) and log scale (values ≤ 0 left out); schedule changes as labelled
+    dashed rules."""
     df = df[df["name"].isin(names)]
+    if log:
+        df = df[df["value"] > 0]
     if df.empty:
         return None
-    df = df.assign(label=[f"{n} ({unit_of(n)})" if unit_of(n) else n for n in df["name"]])
+    df, x, x_title = with_axis(df, axis)
+    df = df.assign(label=[f"{n} ({unit_of(n)})" if unit_of(n) else n for n in df["name"]], kind="raw")
+    if smoothing > 0:
+        df = pd.concat([df, smooth(df, smoothing, ["name"]).assign(kind="smoothed")])
+    scale = alt.Scale(type="log") if log else alt.Scale(zero=False)
     line = (
         alt.Chart()
         .mark_line(point=alt.OverlayMarkDef(size=18))
         .encode(
-            x=alt.X("step:Q", title="step"),
-            y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False), axis=alt.Axis(format="~g")),
-            tooltip=["name:N", "step:Q", alt.Tooltip("value:Q", format=".4g")],
+            x=alt.X(f"{x}:Q", title=x_title),
+            y=alt.Y("value:Q", title=None, scale=scale, axis=alt.Axis(format="~g")),
+            opacity=alt.condition(alt.datum.kind == "raw", alt.value(0.3 if smoothing > 0 else 1.0), alt.value(1.0)),
+            detail="kind:N",
+            tooltip=["name:N", "step:Q", alt.Tooltip("value:Q", format=".4g"), "kind:N"],
         )
     )
-    layers: list[alt.Chart] = [line]
-    applied = [c for c in changes or [] if c.get("applied_step") is not None]
-    if applied:
-        rules = pd.DataFrame([{"step": c["applied_step"], "change": _change_label(c)} for c in applied])
-        layers.append(
-            alt.Chart(rules).mark_rule(color="#b279a2", strokeDash=[4, 3]).encode(x="step:Q", tooltip=["change:N"])
-        )
+    at = None if x == "step" else df.groupby("step")[x].min().to_dict()
+    layers: list[alt.Chart] = [line, *change_rules(changes, x, at)]
     return (
         alt.layer(*layers, data=df)
-        .properties(width=250, height=160)
-        .facet(facet=alt.Facet("label:N", title=None), columns=3)
+        .properties(width=380, height=230)
+        .facet(facet=alt.Facet("label:N", title=None), columns=2)
         .resolve_scale(y="independent")
     )
 
@@ -83,9 +136,10 @@ def spans_frame(spans: list[dict], t0: float | None = None) -> pd.DataFrame:
     return df.assign(start_s=df["start"] - t0, end_s=df["end"] - t0, duration_ms=(df["end"] - df["start"]) * 1000)
 
 
-def gantt(df: pd.DataFrame) -> alt.Chart:
-    """Per-stage timeline: one row per worker, one bar per span, seconds since the first span shown."""
-    return (
+def gantt(df: pd.DataFrame, boundaries: pd.DataFrame | None = None) -> alt.Chart:
+    """Per-stage timeline: one row per worker, one bar per span, seconds since the first span shown; `boundaries`
+    (columns `start_s`, `step`) draws where each step began as a labelled grey rule."""
+    bars = (
         alt.Chart(df)
         .mark_bar(height=16)
         .encode(
@@ -95,9 +149,17 @@ def gantt(df: pd.DataFrame) -> alt.Chart:
             color=alt.Color("stage:N", scale=stage_scale(), legend=alt.Legend(orient="right", title="stage")),
             tooltip=["stage:N", "step:Q", "worker:N", alt.Tooltip("duration_ms:Q", format=",.1f", title="ms")],
         )
-        .properties(height=60 * df["worker"].nunique() + 40)
-        .interactive(bind_y=False)
     )
+    layers: list[alt.Chart] = [bars]
+    if boundaries is not None and not boundaries.empty:
+        base = alt.Chart(boundaries).encode(x="start_s:Q")
+        layers += [
+            base.mark_rule(color="#888", strokeDash=[2, 2]).encode(tooltip=["step:Q"]),
+            base.mark_text(align="left", baseline="top", dx=2, fontSize=9, color="#888").encode(
+                text=alt.Text("step:Q", format="d"), y=alt.value(0)
+            ),
+        ]
+    return alt.layer(*layers).properties(height=60 * df["worker"].nunique() + 50).interactive(bind_y=False)
 
 
 def breakdown(summary: dict) -> tuple[pd.DataFrame, float]:
@@ -131,14 +193,26 @@ def breakdown_chart(per: pd.DataFrame, by: str | None = None) -> alt.Chart:
     return chart.properties(height=max(120, 32 * len(per)))
 
 
-def series_chart(df: pd.DataFrame, x: str, x_title: str, y_title: str, color: str | None = None) -> alt.Chart:
+def series_chart(
+    df: pd.DataFrame,
+    x: str,
+    x_title: str,
+    y_title: str,
+    color: str | None = None,
+    changes: list[dict] | None = None,
+    log: bool = False,
+) -> alt.Chart:
+    """A line chart of `value` against `x`, one colour per `color` group (runs get distinct colours), with
+    schedule changes (on a step axis) as labelled rules."""
     encode = dict(
         x=alt.X(f"{x}:Q", title=x_title),
-        y=alt.Y("value:Q", title=y_title, scale=alt.Scale(zero=False)),
+        y=alt.Y("value:Q", title=y_title, scale=alt.Scale(type="log") if log else alt.Scale(zero=False)),
         tooltip=[f"{x}:Q", alt.Tooltip("value:Q", format=".4g")] + ([f"{color}:N"] if color else []),
     )
     if color:
-        encode["color"] = alt.Color(f"{color}:N", title=None, legend=alt.Legend(orient="right"))
-    return (
-        alt.Chart(df).mark_line(point=alt.OverlayMarkDef(size=15)).encode(**encode).properties(height=280).interactive()
-    )
+        encode["color"] = alt.Color(
+            f"{color}:N", title=None, scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(orient="right")
+        )
+    line = alt.Chart(df).mark_line(point=alt.OverlayMarkDef(size=15)).encode(**encode)
+    rules = change_rules(changes, x) if x == "step" else []
+    return alt.layer(line, *rules).properties(height=300).interactive()

@@ -45,12 +45,31 @@ def show() -> None:
         default = [n for n in KEY_METRICS if n in names] or names[:6]
         # Keyed by the names on offer: when new metrics appear (a starting job), the defaults apply again.
         chosen = st.multiselect("Metrics", names, default=default, key=f"metrics-{job_id}-{len(names)}")
-        grid = metric_grid(points, chosen, changes)
+        shown = _chart_controls(points, job)
+        grid = metric_grid(
+            shown,
+            chosen,
+            changes,
+            axis=st.session_state["chart_axis"],
+            log=st.session_state["chart_log"],
+            smoothing=st.session_state["chart_smoothing"],
+        )
         if grid is None:
-            st.info("Choose metrics above." if names else "No metrics yet.")
+            st.info("Choose metrics above." if names else "No metrics yet (or none above 0 on a log scale).")
         else:
             st.altair_chart(grid)
-            st.caption("Dashed lines: schedule changes, at the step they applied.")
+            st.caption(
+                "Dashed lines: schedule changes, labelled, at the step they applied. The controls (and the step "
+                "range) stay as set while the page refreshes."
+            )
+            picked = shown[shown["name"].isin(chosen)]
+            st.download_button(
+                "Download CSV",
+                picked.to_csv(index=False),
+                file_name=f"job-{job.id}-metrics.csv",
+                mime="text/csv",
+                key="metrics_csv",
+            )
     with tabs[1]:
         _timeline(job, changes)
     spans = rows(client.spans(job_id))
@@ -75,7 +94,9 @@ def show() -> None:
         if rates.empty:
             st.info("No throughput yet.")
         else:
-            st.altair_chart(series_chart(rates, "step", "step", "tokens/s", color="name"), width="stretch")
+            st.altair_chart(
+                series_chart(rates, "step", "step", "tokens/s", color="name", changes=changes), width="stretch"
+            )
     with tabs[4]:
         sync = [s for s in spans if s["stage"] == "weight_sync"]
         if not sync:
@@ -84,7 +105,9 @@ def show() -> None:
             df = pd.DataFrame(
                 {"step": [s["step"] for s in sync], "value": [(s["end"] - s["start"]) * 1000 for s in sync]}
             )
-            st.altair_chart(series_chart(df, "step", "step", "weight update latency (ms)"), width="stretch")
+            st.altair_chart(
+                series_chart(df, "step", "step", "weight update latency (ms)", changes=changes), width="stretch"
+            )
             mean = summary["weight_sync_mean_s"]
             st.markdown(
                 f"{len(df)} updates: mean **{df['value'].mean() if mean is None else mean * 1000:,.1f} ms**, "
@@ -114,6 +137,25 @@ def show() -> None:
     with tabs[8]:
         st.caption("The job's spec as launched (defaults filled in), as the API stores it.")
         st.code(yaml.safe_dump(job.spec, sort_keys=False), language="yaml")
+
+
+def _chart_controls(points: pd.DataFrame, job) -> pd.DataFrame:
+    """The metric charts' controls (x axis, smoothing, log scale, step range), kept in the session so that a
+    refresh keeps them; returns the points within the step range."""
+    a, b, c = st.columns([1, 1, 1])
+    a.radio("x axis", ["step", "wall time"], horizontal=True, key="chart_axis")
+    b.slider("Smoothing (EMA)", 0.0, 0.95, 0.0, 0.05, key="chart_smoothing")
+    c.toggle("Log scale", key="chart_log")
+    last = int(points["step"].max()) if not points.empty else 0
+    if last < 1:
+        return points
+    key, seen = f"chart_steps-{job.id}", st.session_state.get(f"chart_last-{job.id}")
+    saved = st.session_state.get(key)
+    if saved is not None and (saved[1] == seen or saved[1] > last):  # a range up to the latest step follows it
+        st.session_state[key] = (min(saved[0], last), last)
+    st.session_state[f"chart_last-{job.id}"] = last
+    low, high = st.slider("Step range", 0, last, (0, last), key=key)
+    return points[(points["step"] >= low) & (points["step"] <= high)]
 
 
 def _logs(job) -> None:
@@ -155,7 +197,10 @@ def _timeline(job, changes: list[dict]) -> None:
     if df.empty:
         st.info("No spans in these steps.")
         return
-    st.altair_chart(gantt(df), width="stretch")
+    t0 = float(df["start"].min())
+    began = [{"step": s.step, "start_s": s.started_at - t0} for s in client.steps(job.id) if low <= s.step <= high]
+    st.altair_chart(gantt(df, pd.DataFrame(began, columns=["step", "start_s"])), width="stretch")
+    st.caption("Grey dotted lines: where each step began (its number on top).")
     counts = df.groupby("stage").size().to_dict()
     st.markdown("Spans shown: " + ", ".join(f"**{stage}** {n}" for stage, n in sorted(counts.items())))
     applied = [c for c in changes if c["applied_step"] is not None and low <= c["applied_step"] <= high]
