@@ -40,6 +40,9 @@ def check_episodes(store: Store) -> None:
     assert retried and all(s.response.count("[assistant]") == 2 for s in retried), retried[:2]
     assert all(s.response.split("\n")[1][len("[user] ") :][0] in "+-=" for s in retried)  # the hint, then the question
     assert all(s.response.endswith("[end] done") for s in retried)
+    for s in retried:  # stored for the dashboard: the turns as messages, the length, the per-token logprobs
+        assert [f"[{t['role']}] {t['content']}" for t in s.turns] == s.response.split("\n")[:-1]
+        assert s.num_tokens > 0 and len(s.logprobs) == min(s.num_tokens, 1024)
 
 
 def test_feedback_episodes_run_through_miles_run(tmp_path):

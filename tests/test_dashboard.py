@@ -192,6 +192,35 @@ def test_metric_charts_people_can_read(app, dashboard_api):
     assert at.slider(key=f"chart_steps-{job}").value == (2, 4) and at.toggle(key="chart_log").value
 
 
+def test_samples_are_tied_to_steps(app, dashboard_api):
+    store = dashboard_api["store"]
+    job = seed_run(store, "samples-run", "sync", 5, JobStatus.SUCCEEDED)
+    turns = [{"role": "user", "content": "6*7=?"}, {"role": "assistant", "content": "<call>6*7</call>"},
+             {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}]  # fmt: skip
+    store.add_samples(job, 3, [
+        dict(prompt="6*7=", response="42", label="42", reward=1.0, status="completed", num_tokens=3,
+             logprobs=[-0.1, -2.5, -0.7], turns=turns),
+        dict(prompt="2+2=", response="5", label="4", reward=0.0, status="completed", num_tokens=1, logprobs=[-3.0]),
+    ])  # fmt: skip
+    at = app.run()
+    at.switch_page("views/job.py")
+    at.session_state["job_id"] = job
+    at.session_state[f"grid-{job}"] = {"selection": {"pick": [{"step": 3}]}}  # what a click on a step-3 point sets
+    at.run()
+    assert not at.exception
+    assert "Step 3" in [h.value for h in at.subheader]
+    detail = [d.value for d in at.dataframe if "length (tokens)" in d.value.columns]
+    assert sorted(detail[0]["reward"]) == [0.0, 1.0, 1.0] and sorted(detail[0]["length (tokens)"].dropna()) == [1, 3]
+    at.slider(key=f"reward-step-{job}-3").set_value((0.5, 1.0)).run()  # filter by reward
+    detail = [d.value for d in at.dataframe if "length (tokens)" in d.value.columns]
+    assert sorted(detail[0]["prompt"]) == ["12+30=", "6*7="]
+    at.selectbox(key=f"sample-step-{job}-3").set_value(1).run()  # the one with logprobs and turns
+    strips = [c for c in at.get("vega_lite_chart") if "response token" in c.proto.spec]
+    assert strips and chart_data(strips[0])[0]["logprob"].tolist() == [-0.1, -2.5, -0.7]
+    assert [m.name for m in at.chat_message] == ["user", "assistant", "user", "assistant"]
+    assert "**tool**: 42" in "\n".join(md.value for m in at.chat_message for md in m.markdown)
+
+
 def test_job_page_gives_the_eta_of_a_running_job(app, dashboard_api):
     at = app.run()
     at.switch_page("views/job.py")
@@ -247,12 +276,13 @@ def test_compare_page_puts_runs_side_by_side(app, dashboard_api):
     at = app.run()
     at.switch_page("views/compare.py").run()
     assert not at.exception
+    at.multiselect(key="cmp").set_value([dashboard_api["done"], dashboard_api["running"]]).run()  # sync, fully_async
     [summary] = [d.value for d in at.dataframe if "run" in d.value.columns]
     assert sorted(summary["steps"].tolist()) == [5, 5] and summary["weight update ms (mean)"].tolist() == [50.0, 50.0]
     assert summary["achieved / ideal"].tolist() == [round(1.6 * 5 / 19.05, 2)] * 2  # rollout busy / wall
     assert summary["train % of wall"].tolist() == [round(100 * 1.4 * 5 / 19.05, 1)] * 2  # utilisation
     assert len(at.get("vega_lite_chart")) >= 2
-    assert "No report at" in texts(at)
+    assert "No `miles bench schedules` report in this store yet" in texts(at)
     [diff] = [d.value for d in at.dataframe if "field" in d.value.columns]
     assert "schedule.type" in diff["field"].tolist() and not at.warning  # the schedule alone differs
     assert all(f.startswith("schedule.") for f in diff["field"])
@@ -272,6 +302,36 @@ def test_compare_warns_when_runs_differ_in_more_than_the_schedule(app, dashboard
     assert not at.exception
     [warning] = [w.value for w in at.warning]
     assert "differ in more than the schedule (rollout.num_prompts_per_step)" in warning
+
+
+def test_reports_page_shows_a_bench_report_from_the_store(app, dashboard_api, tmp_path):
+    """A report stored by a bench (its markdown and plots, with its runs), found through the API."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.plot([1, 2, 3], [0.2, 0.3, 0.5])
+    plt.savefig(tmp_path / "reward_vs_step.png")
+    plt.close()
+    from miles_control.reports import save_report
+
+    markdown = "# Schedule bench: quick\n\n## Throughput\n\n| schedule | steps |\n|---|---|\n| sync | 5 |\n\n"
+    markdown += "![reward against step](reward_vs_step.png)\n\nGenerated now.\n"
+    (report_id,) = save_report("schedules", tmp_path, markdown, [dashboard_api["done"]], [dashboard_api["store"].url])
+    at = app.run()
+    at.switch_page("views/reports.py").run()
+    assert not at.exception
+    assert at.selectbox(key="report_id").value == report_id
+    body = texts(at)
+    assert "Schedule bench: quick" in body and "| sync | 5 |" in body and "Generated now." in body
+    assert f"Its runs: #{dashboard_api['done']}" in body
+    [image] = [e for e in at.main if type(e).__name__ == "Image"]  # the plot, served by the API
+    assert "reward against step" in str(image.proto)
+    at.segmented_control(key="report_kind").set_value("precision").run()
+    assert "No bench report in this store yet" in "\n".join(i.value for i in at.info)
+    at.switch_page("views/compare.py").run()
+    assert f"#{report_id} Schedule bench: quick" in texts(at)
 
 
 def test_every_visitor_signs_in_and_no_token_reaches_a_browser(dashboard_api, monkeypatch):

@@ -97,6 +97,14 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     wait_text(page, "succeeded")  # the page refreshes itself while the job is active
     wait_text(page, "step 10/10")
     shot(page, "3-job-metrics")
+    # A click in a metric panel picks the nearest point: that step's samples and timeline open under the charts.
+    chart = page.locator('[data-testid="stVegaLiteChart"]:visible').first  # the metric grid (other tabs are hidden)
+    chart.scroll_into_view_if_needed()
+    box = chart.bounding_box()
+    page.mouse.click(box["x"] + box["width"] * 0.25, box["y"] + min(box["height"] * 0.3, 200))  # in the first panel
+    wait_text(page, r"^Step \d+$", timeout_s=60)
+    page.get_by_text(re.compile(r"^Step \d+$")).first.scroll_into_view_if_needed()
+    shot(page, "3b-step-detail")
     page.get_by_role("tab", name="Timeline").click()
     spans = page.get_by_text(re.compile("^Spans shown:")).first
     spans.wait_for()

@@ -67,6 +67,9 @@ def test_short_demo_learns(tmp_path):
     # steps measured 0.07–0.24, depending on where the warm start stopped.
     assert end >= start + 0.05, curve
     check_weight_syncs(store, 1, steps)
+    stored = store.samples(1, step=steps)
+    assert stored and all(s.num_tokens >= 1 and len(s.logprobs) == s.num_tokens and s.turns is None for s in stored)
+    assert all(lp <= 0 for s in stored for lp in s.logprobs)
     stages = {s.stage for s in store.spans(1)}
     assert {"rollout", "reward", "train", "weight_sync", "eval"} <= stages
     assert "weight update latency" in result.stdout and "held-out accuracy by step" in result.stdout

@@ -207,7 +207,8 @@ def test_operation_ids_are_stable(api):
     spec = httpx.get(api.url + "/openapi.json").json()
     ids = sorted(op["operationId"] for path in spec["paths"].values() for op in path.values())
     assert ids == sorted(
-        """cancel_job create_job get_events get_job get_logs get_metrics get_samples get_spans get_steps get_summary health
+        """cancel_job create_job get_events get_job get_logs get_metrics get_report get_report_file get_samples get_spans
+        get_steps get_summary health list_reports
         list_attempts list_checkpoints list_jobs list_metric_names list_presets list_schedule_changes patch_schedule
         prometheus_metrics resume_job stream_events validate_job""".split()
     )

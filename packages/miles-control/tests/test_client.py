@@ -66,6 +66,17 @@ def test_calls_return_the_apis_models_and_errors_name_the_field(api):
     with pytest.raises(ApiError) as bad:  # the same checks as create_job, the server's policy included
         admin.validate_job({"name": "bad", "ray": {"address": "10.0.0.1:6379"}})
     assert bad.value.status == 422 and list(bad.value.fields) == ["ray.address"]
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
+    report_id = api.store.add_report("schedules", "Schedule bench", "# Schedule bench\n\n![r](reward.png)\n", [job_id],
+                                     {"reward.png": png})  # fmt: skip
+    [listed] = reader.reports("schedules")
+    assert listed.id == report_id and listed.job_ids == [job_id] and reader.reports("precision") == []
+    detail = reader.report(report_id)
+    assert detail.files == ["reward.png"] and "![r](reward.png)" in detail.markdown
+    assert reader.report_file(report_id, "reward.png") == png  # the bytes, as stored
+    with pytest.raises(ApiError) as missing:
+        reader.report_file(report_id, "other.png")
+    assert missing.value.status == 404
     with pytest.raises(ApiError) as refused:
         reader.validate_job({"name": "x"})
     assert refused.value.status == 403 and reader.jobs().total == jobs_before  # validating creates nothing

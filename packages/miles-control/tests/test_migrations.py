@@ -27,15 +27,18 @@ def test_upgrade_downgrade_upgrade(store_url):
     engine = make_engine(store_url)
     assert current_revision(engine) is None and tables(engine) == set()
     upgrade(engine)
-    assert current_revision(engine) == head_revision() == "0002"
+    assert current_revision(engine) == head_revision() == "0003"
     assert TABLES | {"api_tokens"} <= tables(engine)
+    assert {"num_tokens", "logprobs", "turns"} <= {c["name"] for c in inspect(engine).get_columns("samples")}
+    downgrade(engine, "0002")  # the detail columns of samples go
+    assert "logprobs" not in {c["name"] for c in inspect(engine).get_columns("samples")}
     downgrade(engine, "0001")
     assert "attempts" not in tables(engine) and "jobs" in tables(engine)
     assert "source" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
     downgrade(engine, "base")
     assert tables(engine) == set() and current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == "0002" and TABLES <= tables(engine)
+    assert current_revision(engine) == "0003" and TABLES <= tables(engine)
     engine.dispose()
 
 

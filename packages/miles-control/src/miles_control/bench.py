@@ -21,18 +21,21 @@ import time
 from pathlib import Path
 
 from miles_control.config import SCHEDULES, FullyAsyncSchedule, JobSpec, as_schedule
+from miles_control.reports import bench_url
 from miles_control.store import Store
 from miles_control.summary import RunSummary, summarize
 
 SCHEDULE_TYPES = tuple(SCHEDULES)
 
 
-def run_schedules(base: JobSpec, out: Path, on_job=lambda schedule, job_id: None) -> list[RunSummary]:
-    """Run `base` once per schedule type into `out/bench.db`; returns one summary per schedule."""
+def run_schedules(
+    base: JobSpec, out: Path, on_job=lambda schedule, job_id: None, store_url: str | None = None
+) -> list[RunSummary]:
+    """Run `base` once per schedule type into `store_url` (default `out/bench.db`); one summary per schedule."""
     from miles_control.run import run_job
 
     out.mkdir(parents=True, exist_ok=True)
-    url = f"sqlite:///{out.resolve()}/bench.db"
+    url = store_url or bench_url(out)
     store = Store(url)
     summaries = []
     for schedule in SCHEDULE_TYPES:

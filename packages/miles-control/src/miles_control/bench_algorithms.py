@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_control.config import JobSpec
+from miles_control.reports import bench_url
 from miles_control.store import Store
 from miles_control.summary import RunSummary, summarize
 from miles_train.config import RL_ALGORITHMS
@@ -49,13 +50,18 @@ class AlgorithmResult:
 
 
 def run_algorithms(
-    base: JobSpec, out: Path, names: tuple[str, ...] = RL_ALGORITHMS, on_job=lambda name, job_id: None
+    base: JobSpec,
+    out: Path,
+    names: tuple[str, ...] = RL_ALGORITHMS,
+    on_job=lambda name, job_id: None,
+    store_url: str | None = None,
 ) -> list[AlgorithmResult]:
-    """Run `base` once per algorithm into `out/bench.db`; an algorithm's job that fails stops the bench."""
+    """Run `base` once per algorithm into `store_url` (default `out/bench.db`); an algorithm's job that fails stops
+    the bench."""
     from miles_control.run import run_job
 
     out.mkdir(parents=True, exist_ok=True)
-    url = f"sqlite:///{out.resolve()}/bench.db"
+    url = store_url or bench_url(out)
     store = Store(url)
     results = []
     for name in names:

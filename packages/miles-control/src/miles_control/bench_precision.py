@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_control.config import JobSpec
+from miles_control.reports import bench_url
 from miles_control.store import Store
 from miles_control.summary import RunSummary, summarize
 
@@ -90,9 +91,13 @@ def packed_push_bytes(model_path: Path, spec: JobSpec) -> int:
 
 
 def run_recipes(
-    base: JobSpec, out: Path, names: tuple[str, ...] = tuple(RECIPES), on_job=lambda name, result: None
+    base: JobSpec,
+    out: Path,
+    names: tuple[str, ...] = tuple(RECIPES),
+    on_job=lambda name, result: None,
+    store_url: str | None = None,
 ) -> list[RecipeResult]:
-    """Run `base` once per recipe into `out/bench.db`."""
+    """Run `base` once per recipe into `store_url` (default `out/bench.db`)."""
     from miles_control.assets import resolve_model_path
     from miles_control.preflight import JobCheckError, check_job
     from miles_control.run import run_job
@@ -101,7 +106,7 @@ def run_recipes(
     if unknown:
         raise ValueError(f"unknown recipe(s) {', '.join(unknown)}; choose from: {', '.join(RECIPES)}")
     out.mkdir(parents=True, exist_ok=True)
-    url = f"sqlite:///{out.resolve()}/bench.db"
+    url = store_url or bench_url(out)
     store = Store(url)
     model_path = resolve_model_path(base)
     results = []

@@ -192,6 +192,14 @@ def bench_schedules(
         "bench-schedules"
     ),
     steps: Annotated[int | None, typer.Option(min=1, help="Steps per schedule (default: the spec's).")] = None,
+    store_url: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            help="Store URL for the runs and the report (default: bench.db in --out); the API serving it lists the "
+            "report (GET /api/v1/reports, the dashboard's Reports page).",
+        ),
+    ] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
 ) -> None:
     """Run the same workload under sync, one_step_off and fully_async; write a report with plots."""
@@ -200,6 +208,7 @@ def bench_schedules(
     import platform
 
     from miles_control.bench import report, run_schedules
+    from miles_control.reports import bench_url
     from miles_control.store import Store
 
     logging.basicConfig(level=logging.WARNING)
@@ -208,16 +217,16 @@ def bench_schedules(
         console.print(f"{schedule}: job {job_id} done")
 
     try:
-        summaries = run_schedules(spec, out, on_job)
+        summaries = run_schedules(spec, out, on_job, store_url)
     except Exception as exc:  # noqa: BLE001
         console.print(f"[bold red]bench failed:[/] {type(exc).__name__}: {exc}", highlight=False)
         raise typer.Exit(1) from None
-    store = Store(f"sqlite:///{out.resolve()}/bench.db")
+    url = store_url or bench_url(out)
+    store = Store(url)
     split = next((e.data for e in store.events(summaries[0].job_id) if e.kind == "cpu_split"), {})
     split = {**split, "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores"}
     text = report(summaries, spec, split, out)
-    console.print(text, markup=False, highlight=False)
-    console.print(f"report: {out / 'report.md'}")
+    _keep_report("schedules", out, text, [s.job_id for s in summaries], url)
 
 
 @bench_app.command("precision")
@@ -231,6 +240,14 @@ def bench_precision(
         str | None, typer.Option(help="Comma-separated recipe names (default: all; see the report for their names).")
     ] = None,
     quick: Annotated[bool, typer.Option(help="fp32, bf16, int4 rollout with and without int4 training only.")] = False,
+    store_url: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            help="Store URL for the runs and the report (default: bench.db in --out); the API serving it lists the "
+            "report (GET /api/v1/reports, the dashboard's Reports page).",
+        ),
+    ] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
 ) -> None:
     """Run the same workload under each precision recipe (fp32, bf16, fp16, each rollout format with and without
@@ -240,6 +257,7 @@ def bench_precision(
     import platform
 
     from miles_control.bench_precision import QUICK, RECIPES, report, run_recipes
+    from miles_control.reports import bench_url
 
     logging.basicConfig(level=logging.WARNING)
     names = tuple(n.strip() for n in recipes.split(",")) if recipes else (QUICK if quick else tuple(RECIPES))
@@ -248,14 +266,14 @@ def bench_precision(
         console.print(f"{name}: " + (f"refused ({result.refused})" if result.refused else "done"), highlight=False)
 
     try:
-        results = run_recipes(spec, out, names, on_job)
+        results = run_recipes(spec, out, names, on_job, store_url)
     except Exception as exc:  # noqa: BLE001
         console.print(f"[bold red]bench failed:[/] {type(exc).__name__}: {exc}", highlight=False)
         raise typer.Exit(1) from None
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores"
     text = report(results, spec, machine, out)
-    console.print(text, markup=False, highlight=False)
-    console.print(f"report: {out / 'report.md'}")
+    ran = [r.summary.job_id for r in results if r.summary is not None]
+    _keep_report("precision", out, text, ran, store_url or bench_url(out))
 
 
 @bench_app.command("algorithms")
@@ -269,6 +287,14 @@ def bench_algorithms(
         str | None,
         typer.Option(help="Comma-separated names: built-ins or dotted paths (default: every built-in RL objective)."),
     ] = None,
+    store_url: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            help="Store URL for the runs and the report (default: bench.db in --out); the API serving it lists the "
+            "report (GET /api/v1/reports, the dashboard's Reports page).",
+        ),
+    ] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
 ) -> None:
     """Run the same workload under each algorithm (train.algorithm); write a report of held-out accuracy and reward
@@ -278,6 +304,7 @@ def bench_algorithms(
     import platform
 
     from miles_control.bench_algorithms import report, run_algorithms
+    from miles_control.reports import bench_url
     from miles_train.config import RL_ALGORITHMS, AlgorithmConfig
 
     logging.basicConfig(level=logging.WARNING)
@@ -293,13 +320,12 @@ def bench_algorithms(
         console.print(f"{name}: job {job_id} done", highlight=False)
 
     try:
-        results = run_algorithms(spec, out, names, on_job)
+        results = run_algorithms(spec, out, names, on_job, store_url)
     except Exception as exc:  # noqa: BLE001
         console.print(f"[bold red]bench failed:[/] {type(exc).__name__}: {exc}", highlight=False)
         raise typer.Exit(1) from None
     text = report(results, spec, f"{platform.machine()}, {os.cpu_count()} CPU cores", out)
-    console.print(text, markup=False, highlight=False)
-    console.print(f"report: {out / 'report.md'}")
+    _keep_report("algorithms", out, text, [r.summary.job_id for r in results], store_url or bench_url(out))
 
 
 @bench_app.command("weights")
@@ -320,6 +346,14 @@ def bench_weights(
     engines: Annotated[int, typer.Option(min=1, help="Projection: engines receiving.")] = 8,
     link_gb_s: Annotated[float, typer.Option(min=0.001, help="Projection: GB/s of each sender's link.")] = 50.0,
     bucket_mb: Annotated[int, typer.Option(min=1, help="Projection: bucket size in MiB.")] = 1024,
+    store_url: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            help="Store URL for the runs and the report (default: bench.db in --out); the API serving it lists the "
+            "report (GET /api/v1/reports, the dashboard's Reports page).",
+        ),
+    ] = None,
 ) -> None:
     """Measure each transport's fixed, per-bucket and per-byte cost here; project an update's time at scale."""
     import platform
@@ -342,8 +376,21 @@ def bench_weights(
                   f"{platform.machine()}, {os.cpu_count()} CPU cores")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(text)
+    from miles_control.reports import bench_url
+
+    _keep_report("weights", out, text, [], store_url or bench_url(out))
+
+
+def _keep_report(kind: str, out: Path, text: str, job_ids: list[int], url: str) -> None:
+    """Print the report and store it with its runs (report.md and the plots stay in --out)."""
+    from miles_control.reports import save_report
+
     console.print(text, markup=False, highlight=False)
-    console.print(f"report: {out / 'report.md'}")
+    [report_id] = save_report(kind, out, text, job_ids, [url])
+    from sqlalchemy.engine import make_url
+
+    shown = make_url(url).render_as_string(hide_password=True)  # a PostgreSQL password is not printed
+    console.print(f"report: {out / 'report.md'}; stored as report {report_id} in {shown}", highlight=False)
 
 
 def print_summary(store, job_id: int) -> None:

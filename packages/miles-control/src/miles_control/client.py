@@ -26,6 +26,8 @@ from miles_control.api.schemas import (
     JobPage,
     MetricPoint,
     PresetPublic,
+    ReportDetail,
+    ReportPublic,
     RunSummaryPublic,
     SamplePublic,
     ScheduleChangePublic,
@@ -42,6 +44,9 @@ OPERATIONS: dict[str, tuple[str, str, str]] = {
     "list_jobs": ("GET", "/api/v1/jobs", "jobs"),
     "create_job": ("POST", "/api/v1/jobs", "create_job"),
     "validate_job": ("POST", "/api/v1/jobs/validate", "validate_job"),
+    "list_reports": ("GET", "/api/v1/reports", "reports"),
+    "get_report": ("GET", "/api/v1/reports/{report_id}", "report"),
+    "get_report_file": ("GET", "/api/v1/reports/{report_id}/files/{name}", "report_file"),
     "get_job": ("GET", "/api/v1/jobs/{job_id}", "job"),
     "cancel_job": ("POST", "/api/v1/jobs/{job_id}/cancel", "cancel"),
     "resume_job": ("POST", "/api/v1/jobs/{job_id}/resume", "resume"),
@@ -109,10 +114,13 @@ class MilesClient:
         self.close()
 
     # ---- plumbing -------------------------------------------------------------------------------
-    def _request(self, operation: str, job_id: int | None = None, **kwargs: Any) -> httpx.Response:
+    def _request(
+        self, operation: str, job_id: int | None = None, *, where: dict[str, Any] | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """One call of an operation; `job_id` and `where` fill its path's parameters."""
         method, path, _ = OPERATIONS[operation]
         try:
-            response = self.http.request(method, path.format(job_id=job_id), **kwargs)
+            response = self.http.request(method, path.format(job_id=job_id, **(where or {})), **kwargs)
         except httpx.HTTPError as exc:
             raise ApiError(None, f"cannot reach the Miles API at {self.url} ({type(exc).__name__})") from None
         if response.status_code >= 400:
@@ -206,6 +214,17 @@ class MilesClient:
     def presets(self) -> list[PresetPublic]:
         """Job specs the server offers as starting points (its `presets_dir`)."""
         return self._call(list[PresetPublic], "list_presets")
+
+    def reports(self, kind: str | None = None) -> list[ReportPublic]:
+        """Bench reports stored with their runs, newest first."""
+        return self._call(list[ReportPublic], "list_reports", params=_params(kind=kind))
+
+    def report(self, report_id: int) -> ReportDetail:
+        return self._call(ReportDetail, "get_report", where={"report_id": report_id})
+
+    def report_file(self, report_id: int, name: str) -> bytes:
+        """A file of a report (a PNG plot its markdown links)."""
+        return self._request("get_report_file", where={"report_id": report_id, "name": name}).content
 
     def prometheus(self) -> str:
         return self._request("prometheus_metrics").text

@@ -75,10 +75,16 @@ class Recorder:
                         reward=float(s.reward),
                         status=getattr(s.status, "value", str(s.status)),
                         weight_versions=list(s.weight_versions),
+                        num_tokens=len(s.response_ids),
+                        logprobs=[round(float(x), 3) for x in s.rollout_logprobs[:LOGPROBS_KEPT]] or None,
+                        turns=_turns(s),
                     )
                     for s in chosen
                 ],
             )
+
+
+LOGPROBS_KEPT = 1024  # per stored sample: the dashboard's heat strip of a response's first tokens; bounds the store
 
 
 def _response(sample: Any) -> str:
@@ -90,3 +96,11 @@ def _response(sample: Any) -> str:
     lines = [f"[{m.get('role')}] {m.get('content')}" for m in episode.get("messages", [])]
     ended = f"[end] {episode.get('end_reason')}" + (f": {episode['error']}" if episode.get("error") else "")
     return "\n".join([*lines, ended])
+
+
+def _turns(sample: Any) -> list[dict[str, str]] | None:
+    """A multi-turn episode's messages ({role, content}), else None."""
+    episode = sample.metadata.get("episode") if isinstance(getattr(sample, "metadata", None), dict) else None
+    if not isinstance(episode, dict):
+        return None
+    return [{"role": str(m.get("role")), "content": str(m.get("content"))} for m in episode.get("messages", [])]

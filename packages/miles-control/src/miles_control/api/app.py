@@ -22,6 +22,7 @@ from sqlalchemy import text
 
 from miles_control.api.auth import ReadToken
 from miles_control.api.errors import documented
+from miles_control.api.reports import router as reports_router
 from miles_control.api.routes import router
 from miles_control.api.schemas import Health, PresetPublic
 from miles_control.api.settings import ServerSettings
@@ -235,6 +236,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.add_exception_handler(405, _method_not_allowed)
     app.state.token_touched, app.state.token_cache = {}, {}
     app.include_router(router)
+    app.include_router(reports_router)
 
     registry = CollectorRegistry()
     registry.register(_JobCollector(store))

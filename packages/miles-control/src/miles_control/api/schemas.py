@@ -179,6 +179,19 @@ class RunSummaryPublic(BaseModel):
     weight_sync_mean_s: float | None
 
 
+class ReportPublic(_Out):
+    id: int
+    kind: str = Field(description="The bench that wrote it: schedules, precision, algorithms or weights.")
+    title: str
+    created_at: UtcDatetime
+    job_ids: list[int] = Field(description="The jobs it ran, in the same store.")
+
+
+class ReportDetail(ReportPublic):
+    markdown: str = Field(description="The report as `report.md` holds it; images link the files by name.")
+    files: list[str] = Field(description="Names of its files (PNG plots): GET /reports/{id}/files/{name}.")
+
+
 class SpecCheck(BaseModel):
     spec: dict[str, Any] = Field(description="The spec as a job would run it: defaults filled in, paths absolute.")
 
@@ -212,6 +225,9 @@ class SamplePublic(_Out):
     reward: float
     status: str
     weight_versions: list[int]
+    num_tokens: int | None = Field(None, description="The response's length in tokens (None: stored before it was).")
+    logprobs: list[float] | None = Field(None, description="The engine's logprob of each response token.")
+    turns: list[dict[str, Any]] | None = Field(None, description="A multi-turn episode's messages, {role, content}.")
 
 
 class ScheduleChangePublic(_Out):

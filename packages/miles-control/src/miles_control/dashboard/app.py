@@ -12,5 +12,6 @@ pages = [
     st.Page("views/job.py", title="Job", icon=":material/monitoring:"),
     st.Page("views/tune.py", title="Tune", icon=":material/tune:"),
     st.Page("views/compare.py", title="Compare", icon=":material/compare:"),
+    st.Page("views/reports.py", title="Reports", icon=":material/description:"),
 ]
 st.navigation(pages).run()

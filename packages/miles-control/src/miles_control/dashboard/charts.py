@@ -114,8 +114,16 @@ def metric_grid(
             tooltip=["name:N", "step:Q", alt.Tooltip("value:Q", format=".4g"), "kind:N"],
         )
     )
+    # the points carry the click selection ("pick": the step of the point nearest the click; Vega-Lite's nearest
+    # works on point marks, not on lines)
+    points = (
+        alt.Chart()
+        .mark_circle(size=30, opacity=0)
+        .encode(x=f"{x}:Q", y="value:Q", tooltip=["name:N", "step:Q", alt.Tooltip("value:Q", format=".4g"), "kind:N"])
+        .add_params(alt.selection_point(name="pick", fields=["step"], on="click", nearest=True))
+    )
     at = None if x == "step" else df.groupby("step")[x].min().to_dict()
-    layers: list[alt.Chart] = [line, *change_rules(changes, x, at)]
+    layers: list[alt.Chart] = [line, points, *change_rules(changes, x, at)]
     return (
         alt.layer(*layers, data=df)
         .properties(width=380, height=230)
@@ -216,3 +224,19 @@ def series_chart(
     line = alt.Chart(df).mark_line(point=alt.OverlayMarkDef(size=15)).encode(**encode)
     rules = change_rules(changes, x) if x == "step" else []
     return alt.layer(line, *rules).properties(height=300).interactive()
+
+
+def logprob_strip(logprobs: list[float]) -> alt.Chart:
+    """A response's per-token logprobs as a heat strip: one cell per token, darker where the token was less
+    likely."""
+    df = pd.DataFrame({"token": range(len(logprobs)), "logprob": logprobs})
+    return (
+        alt.Chart(df)
+        .mark_rect()
+        .encode(
+            x=alt.X("token:O", title="response token", axis=alt.Axis(labels=len(logprobs) <= 64)),
+            color=alt.Color("logprob:Q", scale=alt.Scale(scheme="viridis"), title="logprob"),
+            tooltip=["token:O", alt.Tooltip("logprob:Q", format=".3f")],
+        )
+        .properties(height=50)
+    )

@@ -19,8 +19,8 @@ STATUS_COLORS = {
 
 
 READS = frozenset(
-    {"health", "jobs", "job", "metrics", "spans", "steps", "samples", "events", "summary", "schedule_changes",
-     "presets", "choices"}
+    {"health", "jobs", "job", "metrics", "metric_names", "spans", "steps", "samples", "events", "summary",
+     "schedule_changes", "presets", "choices", "reports", "report", "report_file"}
 )  # fmt: skip
 RETRY_S = 3  # how often a page checks the API while it is away, and how often live pages refresh
 

@@ -1,5 +1,5 @@
 """Tables of the job store: jobs and their attempts, steps, per-stage spans, metrics, events,
-checkpoints, schedule changes, a sample of generations, and API tokens.
+checkpoints, schedule changes, a sample of generations, API tokens, and bench reports.
 
 The schema is owned by the Alembic migrations in `store/migrations/`; a test checks that these models
 and the migrations agree."""
@@ -9,7 +9,20 @@ from __future__ import annotations
 import enum
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, false
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+    false,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -100,8 +113,37 @@ class GenerationSample(Base):
     reward: Mapped[float] = mapped_column(Float)
     status: Mapped[str] = mapped_column(String(20))
     weight_versions: Mapped[list] = mapped_column(JSON, default=list)
+    num_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)  # of the response
+    logprobs: Mapped[list | None] = mapped_column(JSON, nullable=True)  # the engine's, one per response token
+    turns: Mapped[list | None] = mapped_column(JSON, nullable=True)  # a multi-turn episode's messages {role, content}
 
     __table_args__ = (Index("ix_samples_job_step", "job_id", "step"),)
+
+
+class Report(Base):
+    """A bench report (`miles bench schedules|precision|algorithms|weights`): its markdown and the jobs it ran."""
+
+    __tablename__ = "reports"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(40))  # schedules | precision | algorithms | weights
+    title: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    markdown: Mapped[str] = mapped_column(Text)
+    job_ids: Mapped[list] = mapped_column(JSON, default=list)
+
+
+class ReportFile(Base):
+    """A file a report shows (its PNG plots), by the name its markdown links."""
+
+    __tablename__ = "report_files"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    report_id: Mapped[int] = mapped_column(ForeignKey("reports.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(255))
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+    __table_args__ = (UniqueConstraint("report_id", "name", name="uq_report_files_name"),)
 
 
 class ApiToken(Base):

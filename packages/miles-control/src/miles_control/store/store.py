@@ -21,6 +21,8 @@ from miles_control.store.models import (
     Job,
     JobStatus,
     Metric,
+    Report,
+    ReportFile,
     ScheduleChange,
     Span,
     Step,
@@ -250,6 +252,37 @@ class Store:
     def add_samples(self, job_id: int, step: int, samples: Iterable[dict[str, Any]]) -> None:
         with self.session() as s, s.begin():
             s.add_all([GenerationSample(job_id=job_id, step=step, **sample) for sample in samples])
+
+    def add_report(
+        self, kind: str, title: str, markdown: str, job_ids: list[int], files: dict[str, bytes] | None = None
+    ) -> int:
+        """Store a bench report with the files its markdown shows (its plots); returns its id."""
+        with self.session() as s, s.begin():
+            report = Report(kind=kind, title=title, markdown=markdown, job_ids=list(job_ids))
+            s.add(report)
+            s.flush()
+            s.add_all([ReportFile(report_id=report.id, name=n, data=d) for n, d in (files or {}).items()])
+            return report.id
+
+    def reports(self, kind: str | None = None) -> list[Report]:
+        """Every report (of `kind`), newest first."""
+        with self.session() as s:
+            query = select(Report) if kind is None else select(Report).where(Report.kind == kind)
+            return list(s.scalars(query.order_by(Report.id.desc())))
+
+    def report(self, report_id: int) -> Report | None:
+        with self.session() as s:
+            return s.get(Report, report_id)
+
+    def report_files(self, report_id: int) -> list[str]:
+        with self.session() as s:
+            query = select(ReportFile.name).where(ReportFile.report_id == report_id).order_by(ReportFile.name)
+            return list(s.scalars(query))
+
+    def report_file(self, report_id: int, name: str) -> bytes | None:
+        with self.session() as s:
+            query = select(ReportFile.data).where(ReportFile.report_id == report_id, ReportFile.name == name)
+            return s.scalars(query).first()
 
     def request_schedule_change(self, job_id: int, patch: dict[str, Any]) -> int:
         """Queue a change of live schedule fields; the running job applies it at its next step boundary."""

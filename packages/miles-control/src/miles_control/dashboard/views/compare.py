@@ -2,9 +2,6 @@
 beside throughput, the config diff of the runs (with a warning when they differ in more than the schedule), any
 metric against wall time or step, time breakdown, and the schedule bench report when one exists."""
 
-import os
-from pathlib import Path
-
 import pandas as pd
 import streamlit as st
 from charts import breakdown, breakdown_chart, metrics_frame, series_chart
@@ -107,13 +104,12 @@ if chosen:
     comparison(chosen, picked, axis)
 
 st.subheader("Schedule bench report")
-folder = Path(
-    st.text_input("Folder of `miles bench schedules --out`", os.environ.get("MILES_BENCH_DIR", "bench-schedules"))
-)
-report = folder / "report.md"
-if report.exists():
-    st.markdown(report.read_text())
-    for image in sorted(folder.glob("*.png")):
-        st.image(str(image), caption=image.name)
+stored = client.reports("schedules")
+if stored:
+    latest = stored[0]
+    st.markdown(
+        f"The latest of this store: **#{latest.id} {latest.title}**; it and the others are on the Reports page."
+    )
+    st.page_link("views/reports.py", label="Open the Reports page", icon=":material/description:")
 else:
-    st.caption(f"No report at {report} (run `miles bench schedules CONFIG --out {folder}`).")
+    st.caption("No `miles bench schedules` report in this store yet (`--store URL` stores it where the API reads).")

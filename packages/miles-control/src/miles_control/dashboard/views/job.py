@@ -4,7 +4,17 @@ samples and events; refreshed every few seconds while the job runs."""
 import pandas as pd
 import streamlit as st
 import yaml
-from charts import KEY_METRICS, breakdown, breakdown_chart, gantt, metric_grid, metrics_frame, series_chart, spans_frame
+from charts import (
+    KEY_METRICS,
+    breakdown,
+    breakdown_chart,
+    gantt,
+    logprob_strip,
+    metric_grid,
+    metrics_frame,
+    series_chart,
+    spans_frame,
+)
 from common import ACTIVE, api, choose_job, clock, rows, status_text, timing
 
 from miles_control.client import ApiError
@@ -57,7 +67,12 @@ def show() -> None:
         if grid is None:
             st.info("Choose metrics above." if names else "No metrics yet (or none above 0 on a log scale).")
         else:
-            st.altair_chart(grid)
+            event = st.altair_chart(grid, on_select="rerun", selection_mode="pick", key=f"grid-{job_id}")
+            picked = ((event or {}).get("selection") or {}).get("pick") or []  # a state: a dict with attributes
+            if picked:  # a click on a point: that step's samples and timeline, under the charts
+                _step_detail(job, int(picked[0]["step"]))
+            else:
+                st.caption("Click a point to see that step's samples and timeline.")
             st.caption(
                 "Dashed lines: schedule changes, labelled, at the step they applied. The controls (and the step "
                 "range) stay as set while the page refreshes."
@@ -122,7 +137,7 @@ def show() -> None:
             steps = sorted({s["step"] for s in samples}, reverse=True)
             # the latest step by default, and again when a newer one arrives
             step = st.selectbox("Step", steps, key=f"sample_step-{job_id}-{steps[0]}")
-            st.dataframe(pd.DataFrame([s for s in samples if s["step"] == step]), hide_index=True)
+            _samples([s for s in samples if s["step"] == step], f"tab-{job_id}")
     with tabs[6]:
         events = sorted(rows(client.events(job_id, limit=1000)), key=lambda e: e["created_at"], reverse=True)
         for event in events:  # newest first, with readable times
@@ -137,6 +152,50 @@ def show() -> None:
     with tabs[8]:
         st.caption("The job's spec as launched (defaults filled in), as the API stores it.")
         st.code(yaml.safe_dump(job.spec, sort_keys=False), language="yaml")
+
+
+def _step_detail(job, step: int) -> None:
+    """One step: its samples and its per-stage timeline."""
+    st.subheader(f"Step {step}")
+    _samples(rows(client.samples(job.id, step=step)), f"step-{job.id}-{step}")
+    df = spans_frame(rows(client.spans(job.id, step_min=step, step_max=step)))
+    if df.empty:
+        st.info(f"No spans of step {step}.")
+    else:
+        st.altair_chart(gantt(df), width="stretch")
+
+
+def _samples(samples: list[dict], key: str) -> None:
+    """A step's samples: a table filtered by reward (length in tokens, reward, status, text), then one sample's
+    per-token logprobs as a heat strip and a multi-turn episode's turns."""
+    if not samples:
+        st.info("No samples stored for this step.")
+        return
+    rewards = [s["reward"] for s in samples]
+    low, high = min(rewards), max(rewards)
+    if high > low:
+        low, high = st.slider("Reward", low, high, (low, high), key=f"reward-{key}")
+    shown = [s for s in samples if low <= s["reward"] <= high]
+    columns = ["reward", "num_tokens", "status", "prompt", "response", "label", "weight_versions"]
+    table = pd.DataFrame(shown, columns=columns).rename(columns={"num_tokens": "length (tokens)"})
+    st.dataframe(table, hide_index=True, width="stretch")
+    if not shown:
+        return
+    index = st.selectbox(
+        "Sample",
+        range(len(shown)),
+        format_func=lambda i: f"{i + 1}: reward {shown[i]['reward']:.3g} · {shown[i]['prompt'][:60]!r}",
+        key=f"sample-{key}",
+    )
+    sample = shown[index]
+    if sample.get("logprobs"):
+        st.altair_chart(logprob_strip(sample["logprobs"]), width="stretch")
+        st.caption("The engine's logprob of each response token (darker: less likely); hover for the values.")
+    else:
+        st.caption("No per-token logprobs stored for this sample (stored from this version on).")
+    for turn in sample.get("turns") or []:
+        with st.chat_message("user" if turn["role"] in ("user", "tool") else "assistant"):
+            st.markdown(f"**{turn['role']}**: {turn['content']}")
 
 
 def _chart_controls(points: pd.DataFrame, job) -> pd.DataFrame:
