@@ -221,6 +221,23 @@ def test_samples_are_tied_to_steps(app, dashboard_api):
     assert "**tool**: 42" in "\n".join(md.value for m in at.chat_message for md in m.markdown)
 
 
+def test_resources_tab_plots_each_workers_cpu_and_memory(app, dashboard_api):
+    store = dashboard_api["store"]
+    job = seed_run(store, "resources-run", "sync", 5, JobStatus.SUCCEEDED)
+    for step in range(1, 6):
+        store.add_metrics(job, step, {"sys/trainer0/cpu_pct": 90.0 + step, "sys/trainer0/rss_mb": 1500.0,
+                                      "sys/rollout/cpu_pct": 50.0, "sys/rollout/rss_mb": 2500.0 + step})  # fmt: skip
+    at = app.run()
+    at.switch_page("views/job.py")
+    at.session_state["job_id"] = job
+    at.run()
+    assert not at.exception
+    charts = [c for c in at.get("vega_lite_chart") if "CPU (% of one core)" in c.proto.spec]
+    assert charts and set(chart_data(charts[0])[0]["worker"]) == {"trainer0", "rollout"}
+    [latest] = [d.value for d in at.dataframe if "rss_mb" in d.value.columns]
+    assert latest.loc["rollout", "rss_mb"] == 2505.0 and latest.loc["trainer0", "cpu_pct"] == 95.0
+
+
 def test_job_page_gives_the_eta_of_a_running_job(app, dashboard_api):
     at = app.run()
     at.switch_page("views/job.py")

@@ -92,6 +92,12 @@ def test_two_trainer_ranks_inproc_transport(tmp_path):
     assert "━" not in result.stderr and "] starting Ray actors" in result.stderr  # phases as lines too
     check_weight_syncs(store, 1, 3)
     assert {s.attrs["transport"] for s in store.spans(1, "weight_sync")} == {"inproc"}
+    # every worker samples its own resources each train step: both trainer ranks and the rollout worker
+    for worker in ("trainer0", "trainer1", "rollout"):
+        rss = [v for _, v in store.metric_series(1, f"sys/{worker}/rss_mb")]
+        cpu = [v for _, v in store.metric_series(1, f"sys/{worker}/cpu_pct")]
+        assert len(rss) == len(cpu) == 3 and all(v > 50 for v in rss) and all(v >= 0 for v in cpu), worker
+    assert max(v for _, v in store.metric_series(1, "sys/trainer1/cpu_pct")) > 0  # it trained: not idle throughout
 
 
 @pytest.mark.extended  # the hf engine: every schedule test and the two-rank inproc run use it; SGLang learns above

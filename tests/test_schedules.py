@@ -112,7 +112,7 @@ def test_partial_rollouts_continue_what_a_push_aborts(tmp_path):
         tmp_path,
         "rollout.engine.type=hf",
         "schedule.type=fully_async",
-        "schedule.num_steps=6",
+        "schedule.num_steps=8",  # more pushes: under load a push can find no request in flight (6 once saw none)
         "schedule.pause_mode=abort",
         "schedule.max_staleness=2",
         "schedule.buffer_groups=1024",  # never full: the engine generates through every push
@@ -123,7 +123,7 @@ def test_partial_rollouts_continue_what_a_push_aborts(tmp_path):
     continued = series(store, "rollout/partial_continued")
     assert sum(continued.values()) > 0, continued  # some requests spanned a push and went on
     losses = series(store, "train/loss")
-    assert len(losses) == 6 and all(math.isfinite(v) for v in losses.values()), losses
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values()), losses
     syncs = store.spans(1, "weight_sync")
     assert all(s.attrs["pause_mode"] == "abort" for s in syncs)
     assert all(s.attrs["trainer_fingerprint"] == s.attrs["engine_fingerprint"] for s in syncs)

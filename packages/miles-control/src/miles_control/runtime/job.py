@@ -244,7 +244,7 @@ class JobRuntime:
         finally:
             if colocated:
                 ray.get(self.rollout.resume_memory.remote())
-        metrics = result.metrics
+        metrics = result.metrics | ray.get(self.rollout.usage.remote())  # the rollout side's since the last step
         num_tokens = int(metrics["train/num_tokens"])
         self.recorder.span("train", step, "trainer", result.start, result.end, num_tokens=num_tokens)
         metrics["train/tokens_per_s"] = num_tokens / max(result.end - result.start, 1e-9)

@@ -73,7 +73,13 @@ class TrainerGroup:
         return ray.get([call(rank) for rank in self.ranks])[0]
 
     def train_step(self, batch: Any) -> TrainResult:
-        return self._on_every_rank(lambda rank: rank.train_step.remote(batch))
+        """Rank 0's result, with every rank's resource usage (`sys/trainer<r>/...`)."""
+        import ray
+
+        results = ray.get([rank.train_step.remote(batch) for rank in self.ranks])
+        for other in results[1:]:
+            results[0].metrics.update({k: v for k, v in other.metrics.items() if k.startswith("sys/")})
+        return results[0]
 
     def publish_weights(self, weight_version: int) -> Published:
         """Every rank exports and publishes (rank 0 alone, or each rank what it holds); one handle for all."""

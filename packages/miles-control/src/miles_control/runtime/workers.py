@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_control.placement import Plan, engine_gpu_ids
+from miles_control.runtime.usage import ProcessUsage, gpu_memory_mb, prefixed
 from miles_sync import WeightHandle
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ class TrainerWorker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         pin_to(cpus)
         self.rank = rank
+        self._usage = ProcessUsage()
         self.backend = build_backend(job.train, model_path, rank, world_size, init_method)
         # the policy the engines run: what the trainer forwards with, and recomputes the ratio's denominator under
         self.backend.set_push_dtype(pushed_precision, job.sync.quantization, job.sync.quant_group_size)
@@ -141,7 +143,9 @@ class TrainerWorker:
     def train_step(self, batch) -> TrainResult:
         start = time.time()
         metrics = self.backend.train_step(batch)
-        return TrainResult(start, time.time(), metrics)
+        end = time.time()
+        metrics.update(prefixed(f"trainer{self.rank}", self._usage.sample() | gpu_memory_mb()))  # since the last step
+        return TrainResult(start, end, metrics)
 
     def publish_weights(self, weight_version: int) -> Published:
         """Gather full weights (collective on every rank) and publish them from rank 0; or, for a transport that
@@ -189,6 +193,7 @@ class RolloutWorker:
     ) -> None:
         """`plan`: the job's resource plan; `engine_gpus`: each SGLang server's GPUs when the plan assigns them
         from outside this actor (colocated: the trainer ranks'); else they come from the GPUs Ray gave it."""
+        self._usage = ProcessUsage()
         import ray
         import torch
         from transformers import AutoConfig, AutoTokenizer
@@ -239,6 +244,10 @@ class RolloutWorker:
 
     def node_id(self) -> str:
         return node_id()
+
+    def usage(self) -> dict[str, float]:
+        """This actor's CPU and memory with its engines' (SGLang servers are its children) since the last call."""
+        return prefixed("rollout", self._usage.sample())
 
     def release_memory(self) -> None:
         """Colocated mode (SGLang only, checked by the spec): free the engines' GPU memory for the trainer."""

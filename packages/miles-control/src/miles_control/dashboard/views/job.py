@@ -46,7 +46,18 @@ def show() -> None:
         _act(lambda: client.resume(job_id), "queued again")
 
     tabs = st.tabs(
-        ["Metrics", "Timeline", "Time breakdown", "Throughput", "Weight sync", "Samples", "Events", "Logs", "Spec"]
+        [
+            "Metrics",
+            "Timeline",
+            "Time breakdown",
+            "Throughput",
+            "Weight sync",
+            "Samples",
+            "Events",
+            "Logs",
+            "Spec",
+            "Resources",
+        ]
     )
     points = metrics_frame(rows(client.metrics(job_id)))
     changes = rows(client.schedule_changes(job_id))
@@ -152,6 +163,33 @@ def show() -> None:
     with tabs[8]:
         st.caption("The job's spec as launched (defaults filled in), as the API stores it.")
         st.code(yaml.safe_dump(job.spec, sort_keys=False), language="yaml")
+    with tabs[9]:
+        _resources(points, changes)
+
+
+RESOURCES = {"cpu_pct": "CPU (% of one core)", "rss_mb": "resident memory (MB)", "gpu_mem_mb": "GPU memory (MB)"}
+
+
+def _resources(points: pd.DataFrame, changes: list[dict]) -> None:
+    """CPU, memory and GPU memory of each worker over the steps (`sys/<worker>/<measure>`, sampled by the
+    workers themselves; the rollout worker's include its engines' processes)."""
+    usage = points[points["name"].str.startswith("sys/")]
+    if usage.empty:
+        st.info("No resource samples (recorded from this version on, once per train step).")
+        return
+    parts = usage["name"].str.split("/", expand=True)
+    usage = usage.assign(worker=parts[1], measure=parts[2])
+    for measure, title in RESOURCES.items():
+        part = usage[usage["measure"] == measure]
+        if not part.empty:
+            st.altair_chart(series_chart(part, "step", "step", title, color="worker", changes=changes), width="stretch")
+    latest = usage[usage["step"] == usage["step"].max()].pivot_table(index="worker", columns="measure", values="value")
+    st.dataframe(latest.round(1), width="stretch")
+    st.caption(
+        "Sampled by each worker at every train step: CPU averaged since the previous sample (100 % = one core), "
+        "resident memory, and on GPU the peak memory torch allocated. The rollout worker counts its engine "
+        "servers (its child processes)."
+    )
 
 
 def _step_detail(job, step: int) -> None:
