@@ -181,6 +181,14 @@ def schedule_set(
     console.print(f"queued change {change_id} for job {job_id}: {patch} (applied at its next step)")
 
 
+BenchStore = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        help="Store URL for the runs and the report (default: bench.db in --out); the API serving it lists the "
+        "report (GET /api/v1/reports, the dashboard's Reports page).",
+    ),
+]
 bench_app = typer.Typer(help="Benchmarks that run whole jobs.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -192,14 +200,7 @@ def bench_schedules(
         "bench-schedules"
     ),
     steps: Annotated[int | None, typer.Option(min=1, help="Steps per schedule (default: the spec's).")] = None,
-    store_url: Annotated[
-        str | None,
-        typer.Option(
-            "--store",
-            help="Store URL for the runs and the report (default: bench.db in --out); the API serving it lists the "
-            "report (GET /api/v1/reports, the dashboard's Reports page).",
-        ),
-    ] = None,
+    store_url: BenchStore = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
 ) -> None:
     """Run the same workload under sync, one_step_off and fully_async; write a report with plots."""
@@ -240,14 +241,7 @@ def bench_precision(
         str | None, typer.Option(help="Comma-separated recipe names (default: all; see the report for their names).")
     ] = None,
     quick: Annotated[bool, typer.Option(help="fp32, bf16, int4 rollout with and without int4 training only.")] = False,
-    store_url: Annotated[
-        str | None,
-        typer.Option(
-            "--store",
-            help="Store URL for the runs and the report (default: bench.db in --out); the API serving it lists the "
-            "report (GET /api/v1/reports, the dashboard's Reports page).",
-        ),
-    ] = None,
+    store_url: BenchStore = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
 ) -> None:
     """Run the same workload under each precision recipe (fp32, bf16, fp16, each rollout format with and without
@@ -287,14 +281,7 @@ def bench_algorithms(
         str | None,
         typer.Option(help="Comma-separated names: built-ins or dotted paths (default: every built-in RL objective)."),
     ] = None,
-    store_url: Annotated[
-        str | None,
-        typer.Option(
-            "--store",
-            help="Store URL for the runs and the report (default: bench.db in --out); the API serving it lists the "
-            "report (GET /api/v1/reports, the dashboard's Reports page).",
-        ),
-    ] = None,
+    store_url: BenchStore = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a field: path.to.field=value (repeatable).")] = [],  # noqa: B006
 ) -> None:
     """Run the same workload under each algorithm (train.algorithm); write a report of held-out accuracy and reward
@@ -346,14 +333,7 @@ def bench_weights(
     engines: Annotated[int, typer.Option(min=1, help="Projection: engines receiving.")] = 8,
     link_gb_s: Annotated[float, typer.Option(min=0.001, help="Projection: GB/s of each sender's link.")] = 50.0,
     bucket_mb: Annotated[int, typer.Option(min=1, help="Projection: bucket size in MiB.")] = 1024,
-    store_url: Annotated[
-        str | None,
-        typer.Option(
-            "--store",
-            help="Store URL for the runs and the report (default: bench.db in --out); the API serving it lists the "
-            "report (GET /api/v1/reports, the dashboard's Reports page).",
-        ),
-    ] = None,
+    store_url: BenchStore = None,
 ) -> None:
     """Measure each transport's fixed, per-bucket and per-byte cost here; project an update's time at scale."""
     import platform
