@@ -264,3 +264,18 @@ def test_an_update_mostly_lost_to_rounding_is_reported_once(caplog):
     assert kind == "warning" and data == {"step": 3, "update_kept_frac": 0.14}
     assert "only 14% of the weights this step changed reach the engines, which run bfloat16 weights" in message
     assert [r.message for r in caplog.records] == [message]
+
+
+def test_a_critic_folder_must_read_the_policys_token_ids(llama32_bf16, tmp_path):
+    """ppo's train.critic.model: an HF folder whose embedding covers the policy's vocabulary (32 ids here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ppo = {"algorithm": "ppo", "critic": {"model": str(tmp_path / "none")}}
+    with pytest.raises(JobCheckError, match=r"train.critic.model: .*none is not an HF model folder"):
+        check_job(spec(train=ppo), llama32_bf16)
+    small = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    LlamaForCausalLM(small).save_pretrained(tmp_path / "small")
+    with pytest.raises(JobCheckError, match="train.critic.model: its vocabulary has 16 ids, the policy's 32"):
+        check_job(spec(train={"algorithm": "ppo", "critic": {"model": str(tmp_path / "small")}}), llama32_bf16)
+    check_job(spec(train={"algorithm": "ppo", "critic": {"model": str(llama32_bf16)}}), llama32_bf16)

@@ -396,6 +396,7 @@ OBJECTIVES = [
     ("rloo", {"kl_estimator": "k2"}),
     ("reinforce_pp", {"kl_estimator": "k1"}),
     ("grpo", {"aggregation": "seq_mean_token_mean", "kl_in_reward": True}),
+    ("ppo", {}),  # the critic's head starts at 0: the first step's values are 0, and GAE runs on the rewards alone
 ]
 
 
@@ -419,6 +420,8 @@ def plain_minibatch_updates(model_dir, config: AlgorithmConfig, teacher=None) ->
         torch.tensor(batch.rewards, dtype=torch.float64), batch.group_index, whole.loss_mask, penalty
     )
     inputs.old_logprobs, inputs.ref_logprobs = old, ref
+    if objective.needs_values:
+        inputs.values = torch.zeros_like(old, dtype=torch.float64)  # a fresh critic's (its head is 0)
     adv = check_advantages(config.name, objective.advantages(inputs), len(batch), old.shape[1], whole.loss_mask)
     out = []
     for rows in ([0, 2, 4], [1, 3, 5]):
@@ -501,3 +504,48 @@ def test_distill_scores_with_the_teacher_as_written_plainly(
     assert metrics["train/grad_norm"] == pytest.approx(sum(norm for _, norm in plain) / 2, rel=1e-3)
     # the teacher is another model: the advantages (teacher − student logprobs) are far from 0
     assert metrics["train/advantage_abs_mean"] > 0.1 and metrics["train/grad_norm"] > 1e-2
+
+
+# PPO's critic on every backend: trained on the same rows as the policy, saved and resumed with it
+CRITIC = [("fsdp2", 2), ("megatron-tp2", 2), ("torchtitan", 1)]
+
+
+@pytest.mark.parametrize(("variant", "world_size"), CRITIC, ids=[f"{v}-ws{n}" for v, n in CRITIC])
+def test_ppo_trains_its_critic_and_resumes_it_with_the_policy(variant, world_size, tiny_model_dir, tmp_path):
+    """Step 1 on the contract batch: the fresh critic's values are 0, so the returns are the rewards discounted by
+    λ = 0.9 from each response's last token (1, 0.9, 0.81 for a rewarded response of three tokens) and the value
+    loss is ½ R² averaged over the 14 tokens. The critic learns (step 2's loss on the same batch is lower, its values
+    moved towards the returns), and after a save, a step and a load, the next step repeats that step exactly: the
+    value model and its optimizer state came back (a fresh critic would again predict 0)."""
+    spec = {
+        "algorithm": "ppo",
+        "critic": {"lr": 0.01, "lam": 0.9, "value_clip": None},
+        "grpo": {"kl_coef": 0.0},
+        "lr": 1e-4,
+        "resume": True,
+    }
+    result = run_ranks(tiny_model_dir, world_size, tmp_path, variant, mode="json:" + json.dumps(spec))
+    returns = [[0.81, 0.9, 1.0], [], [], [], [0.81, 0.9, 1.0], [1.0]]  # rewarded rows 0, 4, 5 (lengths 3, 3, 1)
+    first = result["metrics"]
+    assert first["train/value_mean"] == 0.0
+    assert first["train/return_mean"] == pytest.approx(sum(map(sum, returns)) / 14, abs=1e-6)
+    assert first["train/value_loss"] == pytest.approx(0.5 * sum(r * r for row in returns for r in row) / 14, abs=1e-6)
+    second, resumed = result["metrics2"], result["metrics_after_reload"]
+    assert second["train/value_loss"] < 0.8 * first["train/value_loss"], (first, second)
+    assert 0 < second["train/value_mean"] < first["train/return_mean"]
+    assert first["train/critic_grad_norm"] > 0 and first["train/grad_norm"] > 0
+    for key in ("train/value_loss", "train/value_mean", "train/explained_variance", "train/objective"):
+        assert resumed[key] == pytest.approx(second[key], abs=1e-5), key
+    assert result["after_reload_step_fp"] == result["after2_fp"]  # the policy resumed too
+
+
+def test_distill_checkpoints_record_the_teacher_and_resume_against_it(tiny_model_dir, tiny_llama_dir, tmp_path):
+    """The teacher is frozen, so a checkpoint holds its identity rather than its weights (teacher.json); a resume
+    with the same teacher checks it and repeats the step after the save exactly."""
+    spec = {"algorithm": "distill", "teacher": str(tiny_llama_dir), "lr": 1e-4, "resume": True}
+    result = run_ranks(tiny_model_dir, 2, tmp_path, "fsdp2", mode="json:" + json.dumps(spec))
+    [checkpoint] = list(tmp_path.glob("ckpt-2-fsdp2*"))
+    record = json.loads((checkpoint / "teacher.json").read_text())
+    assert record["path"] == str(tiny_llama_dir) and set(record["identity"]) == {"config.json", "model.safetensors"}
+    assert result["after_reload_step_fp"] == result["after2_fp"]
+    assert result["metrics_after_reload"]["train/teacher_kl"] == pytest.approx(result["metrics2"]["train/teacher_kl"])

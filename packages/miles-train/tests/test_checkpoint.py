@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from miles_train.backends.checkpoint import STATE_FILE, TrainerState
+from miles_train.backends.checkpoint import STATE_FILE, TrainerState, check_teacher, folder_identity, save_teacher
 
 
 def test_a_checkpoint_names_the_fields_in_which_its_layout_differs(tmp_path):
@@ -36,3 +36,26 @@ def test_a_field_the_checkpoint_does_not_record_is_not_compared(tmp_path):
     state = TrainerState.read(tmp_path)
     assert state.padded_vocab is None
     state.check_loadable_by(TrainerState("torchtitan", 0, 2, 2, padded_vocab=20), ("padded_vocab",), tmp_path)
+
+
+def test_a_resume_refuses_another_teacher_than_the_one_recorded(tmp_path, tiny_model_dir, tiny_llama_dir):
+    """distill: a checkpoint records its teacher's identity (config, each weights file's size, header and first and
+    last MiB); a resume with a copy of that teacher elsewhere goes on, with another teacher it is refused."""
+    import shutil
+
+    teacher = folder_identity(tiny_llama_dir)
+    save_teacher(tmp_path, str(tiny_llama_dir), teacher)
+    moved = shutil.copytree(tiny_llama_dir, tmp_path / "moved-teacher")
+    assert check_teacher(tmp_path, str(moved), folder_identity(moved))
+    with pytest.raises(ValueError, match=r"train.teacher: .* is not the teacher checkpoint .* was distilled from .*"
+                       r"config.json, model.safetensors differ"):  # fmt: skip
+        check_teacher(tmp_path, str(tiny_model_dir), folder_identity(tiny_model_dir))
+    edited = tmp_path / "edited-teacher"
+    shutil.copytree(tiny_llama_dir, edited)
+    weights = edited / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF  # one byte of the last tensor
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model.safetensors differ"):
+        check_teacher(tmp_path, str(edited), folder_identity(edited))
+    assert not check_teacher(tmp_path / "moved-teacher", str(moved), teacher)  # a folder without a record

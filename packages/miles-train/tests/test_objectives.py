@@ -21,8 +21,12 @@ from miles_train.objectives import (
     check_advantages,
     check_loss,
     denominators,
+    gae,
     kl_estimate,
     ppo_clip,
+    token_rewards,
+    value_loss,
+    whiten,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))  # user_objectives.py, by dotted path
@@ -34,7 +38,8 @@ def advantages(name: str, rewards, groups, mask=None, kl_penalty=None, normalize
     return BUILTINS[name]().advantages(inputs)
 
 
-@pytest.mark.parametrize("name", sorted(set(BUILTINS) - {"distill"}))  # distill's advantages are not from rewards
+# distill's advantages are not from rewards, ppo's baseline is its critic (tested below)
+@pytest.mark.parametrize("name", sorted(set(BUILTINS) - {"distill", "ppo"}))
 def test_all_equal_fractional_rewards_give_exactly_zero(name):
     """Eight samples of 0.7: in fp32 their std is ~1e-8, and dividing by it plus 1e-6 gave |A| up to 0.056."""
     r = torch.full((8,), 0.7)
@@ -167,6 +172,12 @@ def test_config_names_and_errors():
         TrainConfig.model_validate({"algorithm": {"name": "rloo", "options": {"scale": 2}}})
     with pytest.raises(ValueError, match="dual_clip"):
         TrainConfig.model_validate({"algorithm": {"dual_clip": 0.5}})
+    with pytest.raises(ValueError, match="train.critic is the value model of algorithm ppo; this job's is rloo"):
+        TrainConfig.model_validate({"algorithm": "rloo", "critic": {"lr": 1e-5}})
+    with pytest.raises(ValueError, match="lam"):
+        TrainConfig.model_validate({"algorithm": "ppo", "critic": {"lam": 1.5}})
+    ppo = TrainConfig.model_validate({"algorithm": "ppo"})
+    assert ppo.critic is None and ppo.critic_config.lam == 0.95 and build_objective(ppo.algorithm).needs_values
     config = TrainConfig.model_validate({"algorithm": {"name": "user_objectives:ScaledGRPO", "options": {"scale": 2}}})
     assert build_objective(config.algorithm).scale == 2
 
@@ -223,3 +234,49 @@ def test_distill_advantages_are_the_teachers_logprob_less_the_students_per_token
     inputs.old_logprobs, inputs.ref_logprobs = old, teacher
     adv = BUILTINS["distill"]().advantages(inputs)
     assert adv.tolist() == [[0.75, -1.0, 0.0], [0.0, 0.0, 2.0]]  # 0 off the mask (the tool turn, the padding)
+
+
+def test_gae_by_hand_with_a_tool_turn_between_trained_tokens():
+    """γ 0.9, λ 0.5. Row 0: three tokens, values 0.5, 0.6, 0.8, reward 1 at the last; δ = 0.04, 0.12, 0.2 and
+    A = δ_t + 0.45 A_{t+1} = 0.1345, 0.21, 0.2. Row 1 trains tokens 0, 2, 3 (token 1 is a tool's turn, value 7, never
+    a step): rewards −0.1 (a KL penalty) on each, 0.5 more at the last; A_3 = 0.3, A_2 = −0.41 + 0.45·0.3 = −0.275,
+    A_0 = (−0.1 + 0.9·0.4 − 0.2) + 0.45·(−0.275) = −0.06375. Padding (value 9) and the tool turn get 0."""
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 1, 1]])
+    values = torch.tensor([[0.5, 0.6, 0.8, 9.0], [0.2, 7.0, 0.4, 0.1]], dtype=torch.float64)
+    rewards = token_rewards(torch.tensor([1.0, 0.5]), mask, torch.tensor([[0.0] * 4, [0.1] * 4]))
+    adv, returns = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    assert adv.tolist() == [pytest.approx([0.1345, 0.21, 0.2, 0]), pytest.approx([-0.06375, 0, -0.275, 0.3])]
+    assert returns.tolist() == [pytest.approx([0.6345, 0.81, 1.0, 0]), pytest.approx([0.13625, 0, 0.125, 0.4])]
+    # λ = 1, γ = 1 and a zero critic: the returns to go (REINFORCE's), whatever the values would have been
+    adv1, _ = gae(rewards, torch.zeros_like(values), mask, gamma=1.0, lam=1.0)
+    assert adv1[1].tolist() == pytest.approx([0.2, 0, 0.3, 0.4])
+
+
+def test_ppo_advantages_are_whitened_gae_and_its_targets_the_returns():
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 1, 1]])
+    values = torch.tensor([[0.5, 0.6, 0.8, 0.0], [0.2, 0.0, 0.4, 0.1]], dtype=torch.float64)
+    inputs = AdvantageInputs(torch.tensor([1.0, 0.5], dtype=torch.float64), [0, 1], mask, None, values=values)
+    inputs.gamma, inputs.lam = 0.9, 0.5
+    ppo = BUILTINS["ppo"]()
+    raw, returns = gae(token_rewards(inputs.rewards, mask), values, mask, 0.9, 0.5)
+    assert ppo.advantages(inputs).tolist() == whiten(raw, mask).tolist()
+    assert ppo.value_targets(inputs).tolist() == returns.tolist()
+    on = mask.bool()
+    assert float(ppo.advantages(inputs)[on].mean()) == pytest.approx(0, abs=1e-9)
+    # a critic that already predicts every return (γ = 1): every δ is 0, so every advantage is exactly 0
+    inputs.values = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.5, 0.0, 0.5, 0.5]], dtype=torch.float64)
+    inputs.gamma, inputs.lam = 1.0, 0.95
+    assert torch.count_nonzero(ppo.advantages(inputs)) == 0
+    inputs.values = None
+    with pytest.raises(ValueError, match="critic's values are missing"):
+        ppo.advantages(inputs)
+
+
+def test_clipped_value_loss_by_hand():
+    """V 1.0 from V_old 0.5 towards R 2: unclipped ½·1, clipped (0.5 + 0.2 − 2)² = 1.69 → ½·1.69, the clip bites;
+    V 0 from 0.1 towards R 0: both 0, no clip."""
+    values, old, returns = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.1]), torch.tensor([2.0, 0.0])
+    loss, clipped = value_loss(values, old, returns, clip=0.2)
+    assert loss.tolist() == pytest.approx([0.845, 0.0]) and clipped.tolist() == [True, False]
+    loss, clipped = value_loss(values, old, returns, clip=None)
+    assert loss.tolist() == pytest.approx([0.5, 0.0]) and not clipped.any()

@@ -69,6 +69,8 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     check_episodes(spec, hf_config)
     if spec.train.teacher is not None:
         check_teacher(spec, hf_config)
+    if spec.train.critic is not None and spec.train.critic.model is not None:
+        check_critic(Path(spec.train.critic.model), hf_config)
     from miles_train.objectives import build_objective
 
     try:  # a user objective imports and constructs here, in the driver, before any actor starts
@@ -138,6 +140,20 @@ def check_teacher(spec: JobSpec, hf_config) -> None:
         check_backend_model(spec.train.backend, teacher)
     except ValueError as exc:
         raise JobCheckError(f"train.teacher {folder}: {exc}") from None
+
+
+def check_critic(folder: Path, hf_config) -> None:
+    """ppo's value model from its own folder: an HF model whose embedding covers the policy's token ids."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").exists():
+        raise JobCheckError(f"train.critic.model: {folder} is not an HF model folder (no config.json)")
+    critic = AutoConfig.from_pretrained(str(folder))
+    if getattr(critic, "vocab_size", 0) < hf_config.vocab_size:
+        raise JobCheckError(
+            f"train.critic.model: its vocabulary has {critic.vocab_size} ids, the policy's {hf_config.vocab_size}: "
+            "the critic reads the policy's token ids (use a model with the same tokenizer)"
+        )
 
 
 def check_precision(spec: JobSpec, model_path: Path) -> None:

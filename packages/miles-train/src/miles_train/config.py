@@ -144,8 +144,8 @@ class GRPOConfig(_Strict):
         return self.tis_cap is not None or self.mis_band is not None
 
 
-ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "distill", "sft")
-RL_ALGORITHMS = ALGORITHMS[:6]  # what `miles bench algorithms` compares by default (distill needs a teacher)
+ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo", "distill", "sft")
+RL_ALGORITHMS = ALGORITHMS[:7]  # what `miles bench algorithms` compares by default (distill needs a teacher)
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
 
@@ -160,7 +160,8 @@ class AlgorithmConfig(_Strict):
         description="A built-in (grpo: group mean and std; dr_grpo: group mean, no std, sequence-sum aggregation; "
         "gspo: sequence-level ratio and clipping; rloo: leave-one-out baseline; reinforce_pp: REINFORCE++ with "
         "token returns normalised over the global batch and the KL in the reward; reinforce_pp_baseline: the same "
-        "after subtracting each group's mean reward; distill: on-policy distillation, each token's advantage the "
+        "after subtracting each group's mean reward; ppo: PPO with a learned critic (train.critic) and GAE, the KL in "
+        "the reward; distill: on-policy distillation, each token's advantage the "
         "teacher's log-probability of it less the student's (the per-token reverse KL to train.teacher); sft: the "
         "negative log-likelihood of the responses, for `kind: sft`), or a dotted path `package.module:Name` to a "
         "user objective "
@@ -183,7 +184,7 @@ class AlgorithmConfig(_Strict):
         None,
         description="Put the KL into the reward (computed from the old policy, no gradient) instead of the loss: "
         "each sequence's reward loses kl_coef × its summed KL (reinforce_pp: each token's reward loses kl_coef × its "
-        "KL). None: the algorithm's own (true for reinforce_pp and reinforce_pp_baseline, false otherwise).",
+        "KL). None: the algorithm's own (true for reinforce_pp, reinforce_pp_baseline and ppo, false otherwise).",
     )
     entropy_coef: float = Field(
         0.0, ge=0, description="Entropy bonus: the loss loses entropy_coef × the policy's per-token entropy."
@@ -218,6 +219,33 @@ class AlgorithmConfig(_Strict):
                 f"options: the built-in algorithm {self.name} takes no options (got {sorted(self.options)})"
             )
         return self
+
+
+class CriticConfig(_Strict):
+    """PPO's value model and its advantage estimation (`train.algorithm: ppo`)."""
+
+    model: str | None = Field(
+        None,
+        description="HF folder the value model starts from: its transformer (the LM head is not used) and, when the "
+        "folder is a critic Miles saved (`<checkpoint>/critic`), its value head; otherwise the head starts at zero. "
+        "None: the policy's checkpoint.",
+    )
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description="The critic's AdamW learning rate; None: 10 × train.optimizer.lr (a value head starts from "
+        "zero and must catch up with the returns; PPO recipes commonly give the critic a larger rate than the actor).",
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the critic's global gradient norm; None disables.")
+    value_clip: float | None = Field(
+        0.2,
+        gt=0,
+        description="Clipped value loss: the new value may move at most this far from the value at rollout before "
+        "the loss stops rewarding the move (max of the clipped and unclipped squared errors). None: plain squared "
+        "error.",
+    )
+    gamma: float = Field(1.0, gt=0, le=1, description="GAE's discount per generated token.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's λ: 0 is the one-step TD error, 1 the Monte-Carlo return.")
 
 
 class TrainConfig(_Strict):
@@ -261,6 +289,11 @@ class TrainConfig(_Strict):
         "holds it frozen beside the policy (as it holds the KL reference) and scores the student's samples with it; "
         "it is read from this folder again on a resume.",
     )
+    critic: CriticConfig | None = Field(
+        None,
+        description="algorithm ppo: the value model trained beside the policy and GAE's γ and λ (None: the "
+        "defaults). Saved with every checkpoint (`<checkpoint>/critic`) and resumed with the policy.",
+    )
     policy_weights: Literal["auto", "master", "pushed"] = Field(
         "auto",
         description="The weights the trainer's forward passes use. pushed: the master weights rounded to the dtype "
@@ -294,6 +327,20 @@ class TrainConfig(_Strict):
                 "signal already is the KL to the teacher)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _critic_for_ppo(self) -> TrainConfig:
+        if self.critic is not None and self.algorithm.name in ALGORITHMS and self.algorithm.name != "ppo":
+            raise ValueError(
+                f"train.critic is the value model of algorithm ppo; this job's is {self.algorithm.name} (which "
+                "estimates advantages without a critic)"
+            )
+        return self
+
+    @property
+    def critic_config(self) -> CriticConfig:
+        """train.critic, or its defaults."""
+        return self.critic or CriticConfig()
 
     @property
     def needs_reference(self) -> bool:

@@ -11,7 +11,10 @@ The contract of an objective (subclass `Objective`; built-ins are subclasses too
   value per sample, shape [B], or one per token, shape [B, W] aligned with `inputs.mask`.
 - `policy_loss(inputs: LossInputs) -> (loss, clipped)`: per-token losses [b, W] with a gradient to
   `inputs.logprobs`, and where the clip bit (bool [b, W], for the clip fraction).
-- class attributes `name`, `aggregation` (its default) and `kl_in_reward` (its default).
+- class attributes `name`, `aggregation` (its default) and `kl_in_reward` (its default); `needs_logprobs` when the
+  advantages read the old policy's and the frozen model's logprobs; `needs_values` when they read a learned critic
+  (`inputs.values`): then `value_targets(inputs) -> Tensor` [B, W] gives what the critic regresses to, and the
+  trainer holds, trains, saves and resumes a value model (`train.critic`, miles_train/critic.py).
 The update checks what a user objective returns (shape, finite values under the mask, a gradient) and fails
 naming the objective and the offending tensor before any optimizer step.
 
@@ -24,6 +27,10 @@ Formulas, with ρ = π/π_old per token, A the advantage and groups of G samples
 - reinforce_pp (Hu 2025, REINFORCE++): token reward −β·KL_t with the sequence's reward added at its last token,
   return G_t = Σ_{s≥t} reward_s, A = (G_t − mean) / (std + ε) over every token of the global batch.
   reinforce_pp_baseline subtracts each group's mean reward before the returns.
+- ppo (Schulman et al. 2017; GAE: Schulman et al. 2016; the RLHF form of Ouyang et al. 2022): token rewards as in
+  reinforce_pp (−β·KL_t, the reward at the last token), a learned value V_t per token, δ_t = r_t + γV_{t+1} − V_t,
+  A_t = Σ_l (γλ)^l δ_{t+l} over the sequence's trained tokens (V = 0 after the last), whitened over the batch; the
+  critic regresses to the returns A_t + V_t with a clipped squared error.
 - distill (on-policy distillation): A_t = log π_teacher(y_t) − log π_old(y_t), per token.
 - sft: −log π of every response token (supervised fine-tuning; `kind: sft` makes the labels the responses).
 Groups of one sample, and groups (or batches, for reinforce_pp) whose values all agree, get advantages of exactly 0.
@@ -91,6 +98,39 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """G_t = Σ_{s ≥ t} reward_s over the trained tokens (γ = 1), 0 elsewhere."""
     masked = rewards * mask
     return masked.flip(1).cumsum(1).flip(1) * mask
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each row's trained tokens, [B, W] each: (advantages, returns).
+
+    The steps of a row are its masked tokens in order (a tool turn's tokens between two of them are part of the
+    transition, not steps); after the last one the value is 0. δ_t = r_t + γ·V_next − V_t, A_t = δ_t + γλ·A_next,
+    returns = A + V. Computed in float64, right to left, one column at a time over all rows; 0 off the mask."""
+    rewards, values, on = rewards.double(), values.double(), mask.bool()
+    advantages = torch.zeros_like(values)
+    running = torch.zeros(values.shape[0], dtype=torch.float64)
+    next_value = torch.zeros_like(running)
+    for t in range(values.shape[1] - 1, -1, -1):
+        here = on[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = torch.where(here, delta + gamma * lam * running, running)
+        next_value = torch.where(here, values[:, t], next_value)
+        advantages[:, t] = torch.where(here, running, 0.0)
+    return advantages, (advantages + values) * on
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ½(V − R)², or with `clip` c ½·max((V − R)², (V_old + clip(V − V_old, −c, c) − R)²) (PPO's clipped
+    value loss); and where the clipped term is the larger (the value moved further than c, the loss stops following)."""
+    unclipped = (values - returns).square()
+    if clip is None:
+        return 0.5 * unclipped, torch.zeros_like(values, dtype=torch.bool)
+    clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -172,6 +212,11 @@ class AdvantageInputs:
     # or distill's teacher) log-probability of each sampled token, no gradient
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    # for an objective with `needs_values`: [B, W] the critic's value of each trained token's state (before the token
+    # is generated), no gradient, and GAE's discount and λ (train.critic)
+    values: torch.Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 0.95
 
     def sequence_rewards(self) -> torch.Tensor:
         """Rewards less each sequence's summed KL penalty (when the KL is in the reward)."""
@@ -200,9 +245,14 @@ class Objective:
     aggregation: ClassVar[str] = "token_mean"
     kl_in_reward: ClassVar[bool] = False
     needs_logprobs: ClassVar[bool] = False  # AdvantageInputs carries the whole batch's old and frozen-model logprobs
+    needs_values: ClassVar[bool] = False  # the trainer holds a critic; AdvantageInputs carries its values
 
     def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
         raise NotImplementedError
+
+    def value_targets(self, inputs: AdvantageInputs) -> torch.Tensor:
+        """[B, W] what the critic regresses to (an objective with `needs_values`)."""
+        raise NotImplementedError(f"objective {self.name} needs values but defines no value_targets")
 
     def policy_loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
         ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
@@ -266,6 +316,27 @@ class ReinforcePPBaseline(ReinforcePP):
     group_baseline = True
 
 
+class PPO(Objective):
+    """PPO with a learned critic: GAE over token rewards (the KL in the reward by default, as in RLHF), advantages
+    whitened over the global batch, the token-level clipped ratio loss; the critic's targets are the returns."""
+
+    name = "ppo"
+    kl_in_reward = True
+    needs_values = True
+
+    def _gae(self, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        if inputs.values is None:
+            raise ValueError("ppo: the critic's values are missing (the trainer holds no value model)")
+        rewards = token_rewards(inputs.rewards, inputs.mask, inputs.kl_penalty)
+        return gae(rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
+
+    def advantages(self, inputs: AdvantageInputs) -> torch.Tensor:
+        return whiten(self._gae(inputs)[0], inputs.mask)
+
+    def value_targets(self, inputs: AdvantageInputs) -> torch.Tensor:
+        return self._gae(inputs)[1]
+
+
 class Distill(Objective):
     """On-policy distillation (Agarwal et al. 2024, GKD; Lu & Thinking Machines 2025): the student samples, the
     teacher (train.teacher) scores every sampled token, and each token's advantage is log π_teacher − log π_student
@@ -294,7 +365,7 @@ class SFT(Objective):
 
 
 BUILTINS: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (GRPO, DrGRPO, GSPO, RLOO, ReinforcePP, ReinforcePPBaseline, Distill, SFT)
+    cls.name: cls for cls in (GRPO, DrGRPO, GSPO, RLOO, ReinforcePP, ReinforcePPBaseline, PPO, Distill, SFT)
 }
 assert set(BUILTINS) == set(ALGORITHMS), "config.ALGORITHMS lists the built-ins"
 
@@ -329,21 +400,24 @@ class ObjectiveError(ValueError):
     """What an objective returned cannot be trained on; raised before the optimizer steps."""
 
 
-def check_advantages(name: str, value: Any, batch_size: int, width: int, mask: torch.Tensor) -> torch.Tensor:
-    """The advantages as [B, W] float32 (a per-sample estimate broadcast), or ObjectiveError naming the problem."""
+def check_advantages(
+    name: str, value: Any, batch_size: int, width: int, mask: torch.Tensor, what: str = "advantage"
+) -> torch.Tensor:
+    """The advantages (or another per-token estimate, named by `what`) as [B, W] float32 (a per-sample estimate broadcast),
+    or ObjectiveError naming the problem."""
     if not isinstance(value, torch.Tensor):
-        raise ObjectiveError(f"objective {name}: advantages must be a tensor, got {type(value).__name__}")
+        raise ObjectiveError(f"objective {name}: {what}s must be a tensor, got {type(value).__name__}")
     if tuple(value.shape) == (batch_size,):
         value = value[:, None].expand(batch_size, width)
     elif tuple(value.shape) != (batch_size, width):
         raise ObjectiveError(
-            f"objective {name}: advantages have shape {tuple(value.shape)}; expected ({batch_size},) per sample or "
+            f"objective {name}: {what}s have shape {tuple(value.shape)}; expected ({batch_size},) per sample or "
             f"({batch_size}, {width}) per token"
         )
     bad = ~torch.isfinite(value) & mask.bool()
     if bad.any():
         row, col = (int(i) for i in torch.nonzero(bad)[0])
-        raise ObjectiveError(f"objective {name}: advantage of sample {row} token {col} is {float(value[row, col])}")
+        raise ObjectiveError(f"objective {name}: {what} of sample {row} token {col} is {float(value[row, col])}")
     return torch.where(mask.bool(), value, 0.0).float()  # what lies off the mask (padding, a tool turn) never counts
 
 

@@ -102,6 +102,9 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
         data["train"]["teacher"] = confined(
             settings.model_root, data["train"]["teacher"], ("train", "teacher"), "teacher folder"
         )
+    critic = data["train"].get("critic") or {}
+    if critic.get("model") is not None:  # ppo's value model: a model folder like model.path
+        critic["model"] = confined(settings.model_root, critic["model"], ("train", "critic", "model"), "critic folder")
     for key in ("path", "eval_path"):
         data["data"][key] = confined(settings.data_root, data["data"][key], ("data", key), "prompt file")
     if data["data"]["chat_template"] not in ("none", "model"):  # a Jinja file, read by the driver

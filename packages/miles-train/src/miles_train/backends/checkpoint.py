@@ -9,6 +9,7 @@ wrote it. A backend loads a checkpoint only when the fields its optimizer state 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from miles_train.backends.hf_io import read_hf_state, save_hf_weights
 
 STATE_FILE = "trainer_state.json"
+TEACHER_FILE = "teacher.json"  # distill: which teacher the policy was trained against
+SAMPLED = 1 << 20  # of each weights file, the first and last MiB enter its identity
 
 
 @dataclass
@@ -82,6 +85,48 @@ def save_checkpoint(
         with optimizer_io():
             torch.save(optimizer_state, directory / f"optimizer-rank{rank}.pt")
         dist.barrier()
+
+
+def folder_identity(model_path: str | Path) -> dict[str, str]:
+    """A frozen model's identity, cheap enough for a teacher of any size: the sha256 of its config.json and, for each
+    `*.safetensors` file, of its size, its header (every tensor's name, dtype, shape and offsets) and its first and
+    last MiB of data. Two folders with equal identities hold the same model unless weights were edited in place
+    without changing a shape (the middle of a file is not read)."""
+    folder = Path(model_path)
+    out = {"config.json": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()}
+    for file in sorted(folder.glob("*.safetensors")):
+        digest = hashlib.sha256()
+        size = file.stat().st_size
+        digest.update(str(size).encode())
+        with file.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header, size)))
+            digest.update(f.read(SAMPLED))
+            f.seek(max(f.tell(), size - SAMPLED))
+            digest.update(f.read(SAMPLED))
+        out[file.name] = digest.hexdigest()
+    return out
+
+
+def save_teacher(directory: str | Path, teacher: str, identity: dict[str, str]) -> None:
+    """Record the teacher a checkpoint's policy was distilled from (rank 0 calls it)."""
+    (Path(directory) / TEACHER_FILE).write_text(json.dumps({"path": teacher, "identity": identity}, indent=1))
+
+
+def check_teacher(directory: str | Path, teacher: str, identity: dict[str, str]) -> bool:
+    """Raise (naming train.teacher and what differs) when the checkpoint was distilled from another teacher; False
+    when it records none (written by another algorithm, or before the record existed)."""
+    path = Path(directory) / TEACHER_FILE
+    if not path.is_file():
+        return False
+    saved = json.loads(path.read_text())
+    differ = sorted(k for k in set(saved["identity"]) | set(identity) if saved["identity"].get(k) != identity.get(k))
+    if differ:
+        raise ValueError(
+            f"train.teacher: {teacher} is not the teacher checkpoint {directory} was distilled from ({saved['path']}): "
+            f"{', '.join(differ)} differ. Resume with that teacher, or start a new job from this checkpoint"
+        )
+    return True
 
 
 @dataclass

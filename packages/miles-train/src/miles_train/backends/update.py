@@ -13,11 +13,13 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from miles_train.backends.checkpoint import check_teacher, folder_identity, save_teacher
 from miles_train.backends.distributed import DistributedGroup
 from miles_train.collate import Collated, collate, logprobs_from_logits, response_layout, unpad_response
 from miles_train.config import TrainConfig
@@ -51,6 +53,7 @@ METRIC_SUMS = (
     "mis_dropfrac",
     "mismatch_k3",
 )  # summed over trained tokens and divided by their number; train/objective is the aggregated loss itself
+CRITIC_SUMS = ("value_loss", "value_clipfrac", "value_pred")  # the same, for PPO's critic
 
 
 class GRPOBackend:
@@ -59,7 +62,9 @@ class GRPOBackend:
 
     Subclasses set `model`, `reference` (None without KL), `device`, `dp_rank`, `dp_size`,
     `pad_token_id` and implement `_logits`, `_step_optimizer`; `loss_scale` says how the backend's
-    gradient reduction combines ranks (dp_size where it averages, 1 where it sums)."""
+    gradient reduction combines ranks (dp_size where it averages, 1 where it sums). They call
+    `_init_side_models` once the policy is built, and `_save_side_models` / `_load_side_models` in `save` /
+    `load` (PPO's value model, critic.py, and distillation's record of its teacher)."""
 
     name = "base"
     loss_scale: float = 1.0
@@ -83,6 +88,8 @@ class GRPOBackend:
         )
         self.model: Any = None
         self.reference: Any = None
+        self.critic: Any = None  # miles_train.critic.Critic, for an objective with needs_values (ppo)
+        self._teacher_identity: dict[str, str] = {}
         self.pad_token_id = 0
         self.step = 0
         self._diffs: list[torch.Tensor] = []  # |trainer − engine| logprob of the tokens of the current train_step
@@ -124,6 +131,38 @@ class GRPOBackend:
         self._pushed_forward = policy == "pushed" or (policy == "auto" and self.push_dtype is not None)
         rounds = self.push_dtype is not None or self.push_quant is not None
         self._recompute_old = old == "recompute" or (old == "auto" and (rounds or self.config.grpo.corrects_rollout))
+
+    # ---- beside the policy: PPO's critic, the teacher's record -----------------------------------
+    def _init_side_models(self, model_path: str | Path) -> None:
+        """The value model (train.critic), when the objective reads one: from train.critic.model, else the policy's
+        checkpoint. With a teacher (distill), its identity, which every checkpoint records and a resume checks."""
+        if self.config.teacher is not None:
+            self._teacher_identity = folder_identity(self.config.teacher)
+        if not self.objective.needs_values:
+            return
+        from miles_train.critic import Critic
+
+        config = self.config.critic_config
+        self.critic = Critic(config, config.model or model_path, self.config.optimizer, self.device, self._dp_group)
+
+    def _save_side_models(self, directory: str | Path) -> None:
+        if self.config.teacher is not None and self.rank == 0:
+            save_teacher(directory, self.config.teacher, self._teacher_identity)
+        if self.critic is not None:
+            self.critic.save(directory, self.rank)
+        dist.barrier()
+
+    def _load_side_models(self, directory: str | Path) -> None:
+        teacher = self.config.teacher
+        if teacher is not None and not check_teacher(directory, teacher, self._teacher_identity):
+            log.warning("%s: checkpoint %s records no teacher; distilling from %s", self.name, directory, teacher)
+        if self.critic is not None and not self.critic.load(directory):
+            log.warning(
+                "%s: checkpoint %s holds no critic (written by another algorithm); the value model starts from "
+                "train.critic.model",
+                self.name,
+                directory,
+            )
 
     # ---- what a backend provides -------------------------------------------------------------
     def _logits(self, model: Any, c: Collated) -> torch.Tensor:
@@ -275,8 +314,11 @@ class GRPOBackend:
             raise ObjectiveError(failed)
         return value
 
-    def _advantages(self, batch: TrainBatch, old_logprobs: torch.Tensor | None) -> torch.Tensor:
-        """[B, W] advantages of the whole batch from the objective (checked), W the batch's padded width − 1."""
+    def _advantages(
+        self, batch: TrainBatch, old_logprobs: torch.Tensor | None, values: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, W] advantages of the whole batch from the objective (checked), W the batch's padded width − 1; and,
+        for an objective with a critic (`values`: the critic's, [B, W]), the critic's targets."""
         algorithm, kl_coef = self.config.algorithm, self.config.grpo.kl_coef
         whole = collate(batch, self.pad_token_id)
         mask = whole.loss_mask
@@ -296,11 +338,18 @@ class GRPOBackend:
             normalize_std=self.config.grpo.normalize_std,
             old_logprobs=old if wanted else None,
             ref_logprobs=ref if wanted else None,
+            values=None if values is None else values.double() * mask,
+            gamma=self.config.critic_config.gamma,
+            lam=self.config.critic_config.lam,
         )
         if wanted and old is not None and ref is not None:  # distill: k1 estimate of KL(student ‖ teacher) per token
             self._frozen_kl = float(((old - ref) * mask).sum() / mask.sum().clamp(min=1))
         value = self.objective.advantages(inputs)  # the whole batch on every rank: every rank agrees on the check
-        return check_advantages(algorithm.name, value, len(batch), mask.shape[1], mask)
+        advantages = check_advantages(algorithm.name, value, len(batch), mask.shape[1], mask)
+        if values is None:
+            return advantages, None
+        targets = self.objective.value_targets(inputs)
+        return advantages, check_advantages(algorithm.name, targets, len(batch), mask.shape[1], mask, "value target")
 
     def _token_weights(self, batch: TrainBatch, sample_weights: torch.Tensor) -> torch.Tensor:
         """The staleness weight of every token, laid out like the batch's loss mask: its sample's weight, or, for
@@ -333,7 +382,9 @@ class GRPOBackend:
         # The ratio's denominator is the policy the engines ran: the weights as pushed, whatever the forward uses.
         old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
         self._frozen_kl = None
-        advantages = self._advantages(batch, old_logprobs)
+        old_values = self._padded_values(batch) if self.critic is not None else None
+        advantages, targets = self._advantages(batch, old_logprobs, old_values)
+        critic_sums, critic_norms = dict.fromkeys(CRITIC_SUMS, 0.0), []
         before = [p.detach().clone() for p in self._param_shards()] if self.push_dtype is not None else None
         skips = self.overflow_skips
         self._diffs = []  # |trainer − engine| logprob of every token, for the p99
@@ -349,6 +400,17 @@ class GRPOBackend:
             self._zero_grad()
             if norm is not None:
                 grad_norms.append(norm)
+            if self.critic is not None:  # the critic's step on the same rows, against the returns at rollout
+                assert targets is not None and old_values is not None
+                width = c.loss_mask.shape[1]
+                for key, value in self.critic.minibatch_backward(
+                    c, targets[local][:, :width].to(self.device), old_values[local][:, :width].to(self.device),
+                    counts[0],
+                ).items():  # fmt: skip
+                    critic_sums[key] += value
+                critic_norm = self.critic.step()
+                if critic_norm is not None:
+                    critic_norms.append(critic_norm)
             tis_max = max(tis_max, part.pop("tis_max"))
             objective += part.pop("objective")
             for key, value in part.items():
@@ -362,6 +424,11 @@ class GRPOBackend:
         metrics["train/num_tokens"] = total_tokens
         full_mask = collate(batch, self.pad_token_id).loss_mask
         metrics["train/advantage_abs_mean"] = float((advantages.abs() * full_mask).sum() / full_mask.sum().clamp(min=1))
+        if self.critic is not None:
+            assert targets is not None and old_values is not None
+            metrics.update(
+                self._critic_metrics(critic_sums, critic_norms, targets, old_values, full_mask, total_tokens)
+            )
         if self._frozen_kl is not None:
             metrics["train/teacher_kl"] = self._frozen_kl  # mean over the batch's tokens of log π_old − log π_teacher
         metrics["train/tis_max"] = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]
@@ -463,6 +530,29 @@ class GRPOBackend:
                 sums[key] = float((value.detach() * m).sum())
         return sums
 
+    def _critic_metrics(
+        self,
+        sums: dict[str, float],
+        norms: list[float],
+        targets: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        total_tokens: float,
+    ) -> dict[str, float]:
+        """train/value_loss, value_clipfrac, value_pred (token means over minibatches, all ranks), critic_grad_norm,
+        and of the values at rollout: value_mean, return_mean and explained_variance 1 − Var(R − V) / Var(R)."""
+        reduced = self._all_reduce(list(sums.values()))
+        metrics = {f"train/{k}": v / max(total_tokens, 1.0) for k, v in zip(sums, reduced, strict=True)}
+        metrics["train/critic_grad_norm"] = sum(norms) / len(norms) if norms else 0.0
+        on = mask.bool()
+        returns, predicted = targets[on].double(), values[on].double()
+        metrics["train/value_mean"] = float(predicted.mean()) if predicted.numel() else 0.0
+        metrics["train/return_mean"] = float(returns.mean()) if returns.numel() else 0.0
+        spread = float(returns.var()) if returns.numel() > 1 else 0.0
+        if spread > 0:
+            metrics["train/explained_variance"] = 1.0 - float((returns - predicted).var()) / spread
+        return metrics
+
     def _quantile(self, parts: list[torch.Tensor], q: float) -> float:
         """The `q` quantile of the values all data-parallel ranks collected (tensor-parallel peers hold the same)."""
         gathered: list = [None] * self.world_size
@@ -481,12 +571,22 @@ class GRPOBackend:
             model, weights = self.model, self._weights_as_pushed() if as_pushed else self._weights_for_forward()
         with weights:
             logprobs, _ = self._token_logprobs(model, self._collate(batch.select(rows)), batch.temperature)
+        return self._gather_rows(batch, rows, logprobs)
+
+    @torch.no_grad()
+    def _padded_values(self, batch: TrainBatch) -> torch.Tensor:
+        """The critic's values of the whole batch, [B, T-1], identical on every rank."""
+        rows = self._my_rows(len(batch))
+        return self._gather_rows(batch, rows, self.critic.values(self._collate(batch.select(rows))))
+
+    def _gather_rows(self, batch: TrainBatch, rows: list[int], part: torch.Tensor) -> torch.Tensor:
+        """[B, T-1] of the whole batch from each data-parallel rank's `rows` of it (`part`, [len(rows), ≤ T-1])."""
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (rows, logprobs.cpu()))  # tensor-parallel peers send the same rows
+        dist.all_gather_object(gathered, (rows, part.cpu()))  # tensor-parallel peers send the same rows
         width = max(len(ids) for ids in batch.input_ids) - 1
         full = torch.zeros((len(batch), width))
-        for part_rows, part in gathered:
-            full[part_rows, : part.shape[1]] = part
+        for part_rows, values in gathered:
+            full[part_rows, : values.shape[1]] = values
         return full
 
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:

@@ -52,6 +52,7 @@ class FSDP2Backend(GRPOBackend):
         )
         if config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher
             self.reference = self._load(config.reference_path(model_path)).eval().requires_grad_(False)
+        self._init_side_models(model_path)  # ppo's critic, distill's teacher record
         self.scaler = None
         if config.precision == "fp16":  # dynamic loss scaling; found-inf is agreed on across the ranks
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -109,6 +110,7 @@ class FSDP2Backend(GRPOBackend):
         model_state = get_model_state_dict(self.model, options=_FULL)
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
         save_checkpoint(directory, self.rank, self.model.config, model_state, self._state(), optim_state)
+        self._save_side_models(directory)
 
     def load(self, directory: str | Path) -> None:
         ckpt = load_checkpoint(directory, self._state())
@@ -116,3 +118,4 @@ class FSDP2Backend(GRPOBackend):
         set_model_state_dict(self.model, convert.from_hf(self.model.config, ckpt.hf_state), options=full)
         set_optimizer_state_dict(self.model, self.optimizer, ckpt.optimizer_state, options=full)
         self.step = ckpt.state.step
+        self._load_side_models(directory)

@@ -60,6 +60,7 @@ class MegatronBackend(GRPOBackend):
         self.optimizer = self._build_optimizer()
         if config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
             self.reference = self._build_frozen(config.teacher, hf_state).eval().requires_grad_(False)
+        self._init_side_models(model_path)  # ppo's critic, distill's teacher record
 
     # ---- construction --------------------------------------------------------------------------
     def _build_frozen(self, teacher: str | None, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -185,6 +186,7 @@ class MegatronBackend(GRPOBackend):
             directory, self.rank, self.hf_config, weights, self._state(), optimizer_state,
             per_rank_optimizer=True, optimizer_io=cpu.on_cpu,
         )  # fmt: skip
+        self._save_side_models(directory)
 
     def load(self, directory: str | Path) -> None:
         ckpt = load_checkpoint(
@@ -195,6 +197,7 @@ class MegatronBackend(GRPOBackend):
         with cpu.on_cpu():
             self.optimizer.load_state_dict(ckpt.optimizer_state)
         self.step = ckpt.state.step
+        self._load_side_models(directory)
 
     def shutdown(self) -> None:
         parallelize.destroy()

@@ -74,6 +74,7 @@ class TorchtitanBackend(GRPOBackend):
         )
         if config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
             self.reference = self._build_frozen(config.teacher, hf_state).eval().requires_grad_(False)
+        self._init_side_models(model_path)  # ppo's critic, distill's teacher record
 
     def _build(
         self, hf_state: dict[str, torch.Tensor], model_config: Any = None, adapter: Any = None
@@ -149,6 +150,7 @@ class TorchtitanBackend(GRPOBackend):
         weights = self._hf_state()
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
         save_checkpoint(directory, self.rank, self.hf_config, weights, self._state(), optim_state)
+        self._save_side_models(directory)
 
     def load(self, directory: str | Path) -> None:
         ckpt = load_checkpoint(directory, self._state(), ("padded_vocab",))
@@ -156,3 +158,4 @@ class TorchtitanBackend(GRPOBackend):
         set_model_state_dict(self.model, self._from_hf(ckpt.hf_state), options=full)
         set_optimizer_state_dict(self.model, self.optimizer, ckpt.optimizer_state, options=full)
         self.step = ckpt.state.step
+        self._load_side_models(directory)
