@@ -198,20 +198,28 @@ def test_kill_9_of_the_api_loses_nothing(plane, tmp_path):
 
 
 def test_the_api_client_example_runs(plane):
-    """examples/api_client.py: launch, follow the event stream to the end, read spans and metrics."""
+    """examples/api_client.py on SGLang: launch, follow the event stream to the end, read spans and metrics; then the
+    API serves the SGLang server's own log beside the driver's (the Logs tab's sources)."""
     store, start = plane
     api = start(cpus="2")
     token = api.headers["Authorization"].removeprefix("Bearer ")
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "api_client.py"), "--api", api.server.url, "--token", token,
-         "--steps", "3"],
-        capture_output=True, text=True, timeout=600,
+         "--steps", "3", "--engine", "sglang"],
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "job 1: succeeded after 3 steps" in out
     assert "[status] queued → starting" in out and "[status] running → succeeded" in out
     assert "weight_sync" in out and "held-out accuracy by step: 0:" in out
+    sources = api.call("GET", "/jobs/1/logs/sources")
+    assert [s["name"] for s in sources] == ["driver", "engine-0"] and all(s["size_bytes"] > 0 for s in sources)
+    engine_log = api.call("GET", "/jobs/1/logs", params={"source": "engine-0"})
+    assert "The server is fired up and ready to roll!" in engine_log  # SGLang's own line, not the driver's
+    assert "The server is fired up" not in api.call("GET", "/jobs/1/logs")
+    r = httpx.get(api.server.url + "/api/v1/jobs/1/logs", params={"source": "engine-7"}, headers=api.headers)
+    assert r.status_code == 404 and "no engine-7 log" in r.json()["detail"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("aiohttp_cors") is None, reason="ray[default] (the dashboard) missing")

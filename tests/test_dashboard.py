@@ -238,6 +238,35 @@ def test_resources_tab_plots_each_workers_cpu_and_memory(app, dashboard_api):
     assert latest.loc["rollout", "rss_mb"] == 2505.0 and latest.loc["trainer0", "cpu_pct"] == 95.0
 
 
+def test_logs_tab_shows_the_driver_and_each_engine_log(app, dashboard_api, tmp_path):
+    """An attempt launched locally logs beside the driver's log (`attempt-1-engines/sglang-<i>.log`): the Logs tab
+    lists the driver and both SGLang servers, and shows the one chosen."""
+    from miles_control.launch.drivers import engine_log_dir
+
+    store = dashboard_api["store"]
+    job = seed_run(store, "logged-run", "sync", 5, JobStatus.SUCCEEDED, rollout={"engine": {"type": "sglang"}})
+    log_path = tmp_path / "logs" / f"job-{job}" / "attempt-1.log"
+    engines = engine_log_dir(log_path)
+    engines.mkdir(parents=True)
+    log_path.write_text("driver: step 5 done\n")
+    for i in range(2):
+        (engines / f"sglang-{i}.log").write_text(f"server {i}: The server is fired up and ready to roll!\n")
+    attempt = store.start_attempt(job, "local")
+    store.update_attempt(attempt.id, log_path=str(log_path))
+    at = app.run()
+    at.switch_page("views/job.py")
+    at.session_state["job_id"] = job
+    at.run()
+    assert not at.exception
+    chooser = at.selectbox(key=f"log_source-{job}-1")
+    assert chooser.options == ["driver (the driver: the job's own progress and errors, 0 KiB)",
+                               "engine-0 (SGLang server 0, 0 KiB)", "engine-1 (SGLang server 1, 0 KiB)"]  # fmt: skip
+    assert any("driver: step 5 done" in c.value for c in at.code)
+    chooser.set_value("engine-1").run()
+    assert any("server 1: The server is fired up" in c.value for c in at.code)
+    assert any("The log of SGLang server 1, attempt 1" in c.value for c in at.caption)
+
+
 def test_job_page_gives_the_eta_of_a_running_job(app, dashboard_api):
     at = app.run()
     at.switch_page("views/job.py")

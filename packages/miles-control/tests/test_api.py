@@ -87,6 +87,8 @@ def test_bad_input_gets_4xx_naming_the_problem(api):
     assert "outside" in policy({"model": {"source": "path", "path": "../../etc"}})["body.spec.model.path"]
     assert "outside" in policy({"data": {"source": "file", "path": "/etc/passwd"}})["body.spec.data.path"]
     assert "outside" in policy({"output_dir": "/tmp/elsewhere"})["body.spec.output_dir"]
+    critic = policy({"train": {"algorithm": "ppo", "critic": {"model": "/etc"}}})  # a folder the trainer would read
+    assert "critic folder '/etc' is outside" in critic["body.spec.train.critic.model"]
     template = policy({"data": {"chat_template": "/etc/shadow"}})  # the driver would read the file
     assert "chat template '/etc/shadow' is outside" in template["body.spec.data.chat_template"]
     assert "leave `store` out" in policy({"store": {"url": "sqlite:////tmp/other.db"}})["body.spec.store"]
@@ -209,7 +211,8 @@ def test_operation_ids_are_stable(api):
     assert ids == sorted(
         """cancel_job create_job get_events get_job get_logs get_metrics get_report get_report_file get_samples get_spans
         get_steps get_summary health list_reports
-        list_attempts list_checkpoints list_jobs list_metric_names list_presets list_schedule_changes patch_schedule
+        list_attempts list_checkpoints list_jobs list_log_sources list_metric_names list_presets list_schedule_changes
+        patch_schedule
         prometheus_metrics resume_job stream_events validate_job""".split()
     )
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"

@@ -217,10 +217,18 @@ def jobs_logs(
     token: Token = "",
     attempt: Annotated[int | None, typer.Option(help="Attempt number (default: the last).")] = None,
     tail: Annotated[int, typer.Option(help="Bytes from the end.")] = 64 << 10,
+    source: Annotated[
+        str, typer.Option(help="driver, or engine-<i> for SGLang server i's log (--list shows what there is).")
+    ] = "driver",
+    list_sources: Annotated[bool, typer.Option("--list", help="List the attempt's logs and their sizes.")] = False,
 ) -> None:
-    """The driver log of an attempt."""
+    """The driver log of an attempt, or one of its SGLang servers' logs."""
     client = _client(api, token)
-    text = _api_call(lambda: client.logs(job_id, attempt, tail))
+    if list_sources:
+        for item in _api_call(lambda: client.log_sources(job_id, attempt)):
+            out.print(f"{item.name:<10} {item.size_bytes:>10} bytes  {item.description}", markup=False)
+        return
+    text = _api_call(lambda: client.logs(job_id, attempt, tail, source))
     out.print(text, markup=False, highlight=False, end="")
 
 

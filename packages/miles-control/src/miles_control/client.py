@@ -24,6 +24,7 @@ from miles_control.api.schemas import (
     Health,
     JobDetail,
     JobPage,
+    LogSource,
     MetricPoint,
     PresetPublic,
     ReportDetail,
@@ -63,6 +64,7 @@ OPERATIONS: dict[str, tuple[str, str, str]] = {
     "list_attempts": ("GET", "/api/v1/jobs/{job_id}/attempts", "attempts"),
     "list_checkpoints": ("GET", "/api/v1/jobs/{job_id}/checkpoints", "checkpoints"),
     "get_logs": ("GET", "/api/v1/jobs/{job_id}/logs", "logs"),
+    "list_log_sources": ("GET", "/api/v1/jobs/{job_id}/logs/sources", "log_sources"),
     "list_presets": ("GET", "/api/v1/presets", "presets"),
     "prometheus_metrics": ("GET", "/metrics", "prometheus"),
 }
@@ -208,8 +210,14 @@ class MilesClient:
     def schedule_changes(self, job_id: int) -> list[ScheduleChangePublic]:
         return self._call(list[ScheduleChangePublic], "list_schedule_changes", job_id)
 
-    def logs(self, job_id: int, attempt: int | None = None, tail_bytes: int = 64 << 10) -> str:
-        return self._request("get_logs", job_id, params=_params(attempt=attempt, tail_bytes=tail_bytes)).text
+    def logs(self, job_id: int, attempt: int | None = None, tail_bytes: int = 64 << 10, source: str = "driver") -> str:
+        """The tail of an attempt's log: the driver's, or `engine-<i>` (SGLang server i; see `log_sources`)."""
+        params = _params(attempt=attempt, tail_bytes=tail_bytes, source=source)
+        return self._request("get_logs", job_id, params=params).text
+
+    def log_sources(self, job_id: int, attempt: int | None = None) -> list[LogSource]:
+        """The logs `logs` can show for an attempt (the last by default): the driver's and each SGLang server's."""
+        return self._call(list[LogSource], "list_log_sources", job_id, params=_params(attempt=attempt))
 
     def presets(self) -> list[PresetPublic]:
         """Job specs the server offers as starting points (its `presets_dir`)."""

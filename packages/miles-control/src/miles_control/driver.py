@@ -21,6 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attempt-id", type=int, required=True)
     parser.add_argument("--store", required=True, help="SQLAlchemy URL of the job store")
     parser.add_argument("--ray-address", default=None, help="Ray instance to join; none starts one")
+    parser.add_argument(
+        "--engine-log-dir",
+        default=None,
+        help="Where the SGLang servers log when the spec leaves rollout.engine.log_dir unset (the API serves them)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("miles.driver")
@@ -35,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     data["store"] = {**data.get("store", {}), "url": args.store}
     data["ray"] = {**data.get("ray", {}), "address": args.ray_address}
     spec = JobSpec.model_validate(data)
+    engine = spec.rollout.engine
+    if args.engine_log_dir and getattr(engine, "log_dir", "") is None:  # sglang's, left to a temporary folder
+        engine.log_dir = args.engine_log_dir
 
     def on_signal(signum, frame):
         log.info("job %d: %s: stopping before the next step", job.id, signal.Signals(signum).name)

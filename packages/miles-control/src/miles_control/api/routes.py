@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path as FilePath
 from typing import Annotated
@@ -24,6 +25,7 @@ from miles_control.api.schemas import (
     JobDetail,
     JobPage,
     JobPublic,
+    LogSource,
     MetricPoint,
     RunSummaryPublic,
     SamplePublic,
@@ -361,28 +363,85 @@ def list_checkpoints(job_id: JobId, request: Request, _: ReadToken) -> list[Chec
     return [CheckpointPublic.model_validate(c) for c in store.checkpoints(job_id)]
 
 
+AttemptNumber = Annotated[int | None, Query(ge=1, le=2**31 - 1, description="Attempt number; the last one if omitted.")]
+ENGINE_LOG = re.compile(r"^engine-(\d{1,4})$")
+
+
+def _attempt(store: Store, job_id: int, attempt: int | None):
+    chosen = [a for a in store.attempts(job_id) if attempt is None or a.number == attempt]
+    if not chosen:
+        raise HTTPException(
+            404, f"job {job_id} has no attempt {attempt}" if attempt else f"job {job_id} has no attempt yet"
+        )
+    return chosen[-1]
+
+
+def _engine_logs(job: Job, attempt) -> FilePath | None:
+    """The folder of an attempt's SGLang server logs on this server: the spec's rollout.engine.log_dir, else the one
+    the launcher gave the driver (beside its log); None for an attempt that ran elsewhere (a Ray job)."""
+    engine = (job.spec.get("rollout") or {}).get("engine") or {}
+    if engine.get("type") != "sglang":
+        return None
+    if engine.get("log_dir"):
+        return FilePath(engine["log_dir"])
+    if attempt.launcher == "ray_job" or not attempt.log_path:
+        return None
+    from miles_control.launch.drivers import engine_log_dir
+
+    return engine_log_dir(FilePath(attempt.log_path))
+
+
+@router.get("/{job_id}/logs/sources", response_model=list[LogSource], responses=JOB, summary="The logs of an attempt")
+def list_log_sources(job_id: JobId, request: Request, _: ReadToken, attempt: AttemptNumber = None) -> list[LogSource]:
+    """What `get_logs` can show for an attempt: the driver's log, and each SGLang server's that this server can
+    read (`engine-<i>`, in server order)."""
+    store = _store(request)
+    job = _job(store, job_id)
+    chosen = _attempt(store, job_id, attempt)
+    size = FilePath(chosen.log_path).stat().st_size if chosen.log_path and FilePath(chosen.log_path).exists() else 0
+    sources = [LogSource(name="driver", size_bytes=size, description="the driver: the job's own progress and errors")]
+    folder = _engine_logs(job, chosen)
+    if folder is not None and folder.is_dir():
+        found = [
+            (int(m.group(1)), p) for p in folder.glob("sglang-*.log") if (m := re.match(r"sglang-(\d+)\.log$", p.name))
+        ]
+        for index, path in sorted(found):
+            sources.append(
+                LogSource(name=f"engine-{index}", size_bytes=path.stat().st_size, description=f"SGLang server {index}")
+            )
+    return sources
+
+
 @router.get(
     "/{job_id}/logs",
     responses=JOB | documented(502) | {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
-    summary="The tail of an attempt's driver log",
+    summary="The tail of an attempt's driver or engine log",
 )
 def get_logs(
     job_id: JobId,
     request: Request,
     _: ReadToken,
-    attempt: Annotated[
-        int | None, Query(ge=1, le=2**31 - 1, description="Attempt number; the last one if omitted.")
-    ] = None,
+    attempt: AttemptNumber = None,
     tail_bytes: Annotated[int, Query(ge=1, le=16 << 20)] = 64 << 10,
+    source: Annotated[
+        str,
+        Query(
+            pattern=r"^(driver|engine-\d{1,4})$",
+            description="`driver` (the default), or `engine-<i>`: SGLang server i's log (list_log_sources).",
+        ),
+    ] = "driver",
 ) -> PlainTextResponse:
     store = _store(request)
-    _job(store, job_id)
-    attempts = store.attempts(job_id)
-    chosen = [a for a in attempts if attempt is None or a.number == attempt]
-    if not chosen:
-        raise HTTPException(
-            404, f"job {job_id} has no attempt {attempt}" if attempt else f"job {job_id} has no attempt yet"
-        )
+    job = _job(store, job_id)
+    chosen = _attempt(store, job_id, attempt)
+    if source != "driver":
+        folder = _engine_logs(job, chosen)
+        if folder is None:
+            raise HTTPException(404, f"attempt {chosen.number} of job {job_id} has no engine logs on this server")
+        match = ENGINE_LOG.match(source)
+        assert match is not None  # the query's pattern
+        return _tail(folder / f"sglang-{int(match.group(1))}.log", tail_bytes, f"job {job_id} has no {source} log")
+    chosen = [chosen]
     if chosen[-1].launcher == "ray_job" and chosen[-1].submission_id:
         from miles_control.launch import RayJobDriver
 
@@ -395,8 +454,14 @@ def get_logs(
             raise HTTPException(502, f"the Ray cluster at {address} did not give the logs: {exc}") from None
         return PlainTextResponse(text[-tail_bytes:])
     path = chosen[-1].log_path
-    if not path or not FilePath(path).exists():
-        raise HTTPException(404, f"attempt {chosen[-1].number} of job {job_id} has no log on this server")
+    return _tail(
+        FilePath(path or ""), tail_bytes, f"attempt {chosen[-1].number} of job {job_id} has no log on this server"
+    )
+
+
+def _tail(path: FilePath, tail_bytes: int, missing: str) -> PlainTextResponse:
+    if not path.name or not path.is_file():
+        raise HTTPException(404, missing)
     with open(path, "rb") as f:
         f.seek(0, 2)
         f.seek(max(0, f.tell() - tail_bytes))

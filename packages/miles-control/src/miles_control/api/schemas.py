@@ -196,6 +196,12 @@ class SpecCheck(BaseModel):
     spec: dict[str, Any] = Field(description="The spec as a job would run it: defaults filled in, paths absolute.")
 
 
+class LogSource(BaseModel):
+    name: str = Field(description="`driver`, or `engine-<i>` for SGLang server i; the `source` of get_logs.")
+    size_bytes: int = Field(description="The log's size now.")
+    description: str
+
+
 class PresetPublic(BaseModel):
     name: str = Field(description="The file's name without .yaml.")
     spec_yaml: str = Field(description="The job spec as the file writes it.")

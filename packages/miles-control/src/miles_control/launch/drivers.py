@@ -28,6 +28,12 @@ class Driver(Protocol):
     def kill(self) -> None: ...
 
 
+def engine_log_dir(log_path: Path) -> Path:
+    """Where an attempt's SGLang servers log (`sglang-<i>.log`) when its spec names no rollout.engine.log_dir: beside
+    the driver's log, `attempt-<n>-engines/`."""
+    return log_path.with_name(f"{log_path.stem}-engines")
+
+
 def driver_store_url(url: str) -> str:
     """The store URL as a driver elsewhere must see it: a relative SQLite path made absolute."""
     prefix = "sqlite:///"
@@ -44,12 +50,21 @@ class LocalDriver:
 
     @classmethod
     def start(
-        cls, store_url: str, job_id: int, attempt_id: int, ray_address: str, log_path: Path, env: dict[str, str]
+        cls,
+        store_url: str,
+        job_id: int,
+        attempt_id: int,
+        ray_address: str,
+        log_path: Path,
+        env: dict[str, str],
+        engine_logs: Path | None = None,
     ) -> LocalDriver:
         cmd = [
             sys.executable, "-m", "miles_control.driver", "--job-id", str(job_id), "--attempt-id", str(attempt_id),
             "--store", store_url, "--ray-address", ray_address,
         ]  # fmt: skip
+        if engine_logs is not None:
+            cmd += ["--engine-log-dir", str(engine_logs)]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(

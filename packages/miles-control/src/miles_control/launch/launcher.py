@@ -15,7 +15,14 @@ from datetime import timezone
 from miles_control.api.policy import job_demand
 from miles_control.api.settings import ServerSettings
 from miles_control.config import JobSpec
-from miles_control.launch.drivers import Driver, InlineRun, LocalDriver, RayJobDriver, driver_store_url
+from miles_control.launch.drivers import (
+    Driver,
+    InlineRun,
+    LocalDriver,
+    RayJobDriver,
+    driver_store_url,
+    engine_log_dir,
+)
 from miles_control.launch.local_ray import LocalRay
 from miles_control.store import FINAL, Attempt, InvalidTransition, JobStatus, Store
 
@@ -178,8 +185,9 @@ class Launcher:
             if kind == "local":
                 address = self.ray.address()
                 driver: Driver = LocalDriver.start(
-                    driver_store_url(self.store.url), job_id, attempt.id, address, log_path, self.ray.driver_env
-                )
+                    driver_store_url(self.store.url), job_id, attempt.id, address, log_path, self.ray.driver_env,
+                    engine_log_dir(log_path),
+                )  # fmt: skip
                 self.store.update_attempt(
                     attempt.id, driver_pid=driver.pid, driver_host=socket.gethostname(), log_path=str(log_path)
                 )

@@ -256,21 +256,30 @@ def _chart_controls(points: pd.DataFrame, job) -> pd.DataFrame:
 
 
 def _logs(job) -> None:
-    """The driver's log of an attempt (the last by default), its tail; the page's refresh follows it."""
+    """An attempt's logs (the last attempt by default): the driver's, or one SGLang server's; the tail, which the
+    page's refresh follows while the job runs."""
     numbers = [a.number for a in job.attempts]
     if not numbers:
         st.info("No attempt yet: the job has not started.")
         return
-    left, right = st.columns([1, 1])
+    left, middle, right = st.columns([1, 1, 1])
     attempt = left.selectbox("Attempt", numbers[::-1], key=f"log_attempt-{job.id}-{numbers[-1]}")
-    kib = right.select_slider("Tail (KiB)", [16, 64, 256, 1024], value=64, key="log_tail")
     try:
-        text = client.logs(job.id, attempt=attempt, tail_bytes=kib << 10)
+        sources = client.log_sources(job.id, attempt=attempt)
     except ApiError as exc:
         st.info(exc.message)
         return
+    labels = {s.name: f"{s.name} ({s.description}, {s.size_bytes / 1024:.0f} KiB)" for s in sources}
+    source = middle.selectbox("Log", list(labels), format_func=labels.get, key=f"log_source-{job.id}-{attempt}")
+    kib = right.select_slider("Tail (KiB)", [16, 64, 256, 1024], value=64, key="log_tail")
+    try:
+        text = client.logs(job.id, attempt=attempt, tail_bytes=kib << 10, source=source or "driver")
+    except ApiError as exc:
+        st.info(exc.message)
+        return
+    whose = "The driver's log" if source == "driver" else f"The log of SGLang server {source.removeprefix('engine-')}"
     st.caption(
-        f"The driver's log of attempt {attempt} (the last {kib} KiB"
+        f"{whose}, attempt {attempt} (the last {kib} KiB"
         + ("; it follows the job while it runs)" if job.status in ACTIVE else ")")
     )
     st.code(text or "(empty)", language="log")
