@@ -70,6 +70,17 @@ def texts(at: AppTest) -> str:
     return "\n".join([m.value for m in at.markdown] + [m.value for m in at.caption] + [t.value for t in at.title])
 
 
+def gutter(at: AppTest) -> tuple[list[int], list[int]]:
+    """The launch editor's gutter, read back from its SVG: the line numbers drawn, and the lines shaded red."""
+    import base64
+
+    [style] = [m.value for m in at.markdown if ".st-key-spec_yaml textarea" in m.value]
+    svg = base64.b64decode(re.search(r"base64,([A-Za-z0-9+/=]+)", style).group(1)).decode()
+    numbers = [int(n) for n in re.findall(r">(\d+)</text>", svg)]
+    shaded = [(int(y) - 8) // 21 + 1 for y in re.findall(r'<rect x="0" y="(\d+)" width="4000"', svg)]
+    return numbers, shaded
+
+
 def test_jobs_page_lists_jobs_and_places_api_errors_on_yaml_lines(app, dashboard_api):
     at = app.run()
     assert not at.exception
@@ -85,6 +96,9 @@ def test_jobs_page_lists_jobs_and_places_api_errors_on_yaml_lines(app, dashboard
     assert "line 4 · `rollout.sampling.top_p`: Input should be less than or equal to 1" in texts(at)
     # the spec numbered, the error's line marked
     assert any("4 >     top_p: 5   # <- Input should be less than or equal to 1" in c.value for c in at.code)
+    # and in the editor itself: its gutter numbers every line and shades line 4 (rows 21 px high, 8 px padding)
+    numbers, shaded = gutter(at)
+    assert numbers[:5] == [1, 2, 3, 4, 5] and shaded == [4]
     before = dashboard_api["store"].jobs()[1]
     at.text_area(key="spec_yaml").set_value("name: typo\nschedule:\n  type: fully_async\n  max_stalenes: 2\n").run()
     at.button(key="validate").click().run()
@@ -95,9 +109,11 @@ def test_jobs_page_lists_jobs_and_places_api_errors_on_yaml_lines(app, dashboard
     at.button(key="validate").click().run()
     assert any("Valid: fine would run 300 steps on the fully_async schedule" in s.value for s in at.success)
     assert dashboard_api["store"].jobs()[1] == before  # validating created nothing
-    at.text_area(key="spec_yaml").set_value("name: [unclosed\n").run()
+    assert gutter(at)[1] == []  # the refused text was edited: nothing shaded any more
+    at.text_area(key="spec_yaml").set_value("name: ok\nrollout:\n  sampling: [unclosed\n").run()
     at.button(key="launch").click().run()
-    assert any("Invalid YAML: line" in e.value for e in at.error)
+    assert any("Invalid YAML: line 4" in e.value for e in at.error)
+    assert gutter(at)[1] == [4]  # where the parser stopped
     # the server's presets (its presets_dir), in full; choosing one loads it into the editor
     assert set(at.selectbox(key="preset").options) == {p.stem for p in (ROOT / "examples").glob("*.yaml")}
     at.selectbox(key="preset").set_value("arithmetic").run()

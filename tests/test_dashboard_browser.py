@@ -91,6 +91,20 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     spec = page.get_by_label("Job spec (YAML)")
     # the default preset; the page may still be filling the form when its first elements show
     expect(spec).to_have_value(re.compile("name: arithmetic-quick"), timeout=60_000)
+    # A typo, validated: the API's error under the editor, and in the editor's own gutter the line numbers with the
+    # refused line shaded (the gutter is the text area's background, scrolling with its text)
+    preset = spec.input_value()
+    spec.fill(preset.replace("schedule:\n", "schedule:\n  max_stalenes: 2\n", 1))
+    page.get_by_role("button", name="Validate").click()
+    wait_text(page, "did you mean 'max_staleness'")
+    style = spec.evaluate(
+        "t => { const c = getComputedStyle(t); return [c.paddingLeft, c.whiteSpace, c.backgroundAttachment, "
+        "c.backgroundImage.slice(0, 30)]; }"
+    )
+    assert style == ["44px", "pre", "local", 'url("data:image/svg+xml;base64'], style
+    spec.scroll_into_view_if_needed()
+    shot(page, "1b-launch-refused")
+    spec.fill(preset)
     page.get_by_role("button", name="Launch").click()
     wait_text(page, r"#1 arithmetic-quick")  # launching goes straight to the new job's page
     shot(page, "2-job-launched")

@@ -6,7 +6,9 @@ import yaml
 
 
 class SpecSyntaxError(ValueError):
-    pass
+    def __init__(self, message: str, line: int | None = None) -> None:
+        super().__init__(message)
+        self.line = line  # 1-based, where the parser stopped
 
 
 def parse_yaml(text: str) -> dict:
@@ -15,10 +17,45 @@ def parse_yaml(text: str) -> dict:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark else ""
-        raise SpecSyntaxError(f"{where}{getattr(exc, 'problem', None) or exc}") from None
+        line = mark.line + 1 if mark else None
+        raise SpecSyntaxError(f"{where}{getattr(exc, 'problem', None) or exc}", line) from None
     if not isinstance(data, dict):
         raise SpecSyntaxError(f"a job spec is a mapping of fields, not a {type(data).__name__}")
     return data
+
+
+LINE_PX, PAD_PX, GUTTER_PX = 21, 8, 44  # the editor's line height, top padding and the numbers' column
+
+
+def gutter_css(key: str, num_lines: int, marks: dict[int, str] | set[int]) -> str:
+    """A `<style>` that gives the text area of widget `key` an editor's gutter: line numbers, and the lines in
+    `marks` (1-based) shaded red across the editor with their numbers in bold red. The gutter is the text area's own
+    background (an SVG that scrolls with the text: `background-attachment: local`), so it stays aligned while one
+    types; the lines do not wrap (one row per YAML line) and the text is monospaced at a fixed line height."""
+    import base64
+
+    rows = max(num_lines, 1) + 40  # room for the lines one adds before the next rerun
+    parts = [f'<rect x="0" y="0" width="{GUTTER_PX - 6}" height="{PAD_PX * 2 + rows * LINE_PX}" fill="#f0f2f6"/>']
+    for n in range(1, rows + 1):
+        top = PAD_PX + (n - 1) * LINE_PX
+        if n in marks:
+            parts.append(f'<rect x="0" y="{top}" width="4000" height="{LINE_PX}" fill="#ffd9d9"/>')
+        style = 'fill="#d62728" font-weight="bold"' if n in marks else 'fill="#8a8d93"'
+        parts.append(
+            f'<text x="{GUTTER_PX - 12}" y="{top + 15}" text-anchor="end" font-family="monospace" font-size="12" '
+            f"{style}>{n}</text>"
+        )
+    height = PAD_PX * 2 + rows * LINE_PX
+    svg = f'<svg xmlns="http://www.w3.org/2000/svg" width="4000" height="{height}">{"".join(parts)}</svg>'
+    url = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode()
+    return (
+        f"<style>.st-key-{key} textarea {{"
+        f"font-family: 'Source Code Pro', ui-monospace, monospace !important; font-size: 14px !important; "
+        f"line-height: {LINE_PX}px !important; padding: {PAD_PX}px 8px {PAD_PX}px {GUTTER_PX}px !important; "
+        "white-space: pre !important; overflow-wrap: normal !important; overflow-x: auto !important; "
+        f'background-image: url("{url}") !important; background-repeat: no-repeat !important; '
+        "background-attachment: local !important; background-position: 0 0 !important;}</style>"
+    )
 
 
 def field_line(text: str, path: str) -> int | None:

@@ -5,7 +5,7 @@ import pandas as pd
 import streamlit as st
 import yaml
 from common import ACTIVE, RETRY_S, age, api
-from specs import SpecSyntaxError, clone_spec, field_line, numbered, parse_yaml
+from specs import SpecSyntaxError, clone_spec, field_line, gutter_css, numbered, parse_yaml
 
 from miles_control.client import ApiError
 
@@ -84,7 +84,7 @@ def refused(exc: ApiError) -> None:
         st.error(exc.message)
         return
     st.error("The API refused the spec:")
-    marks = {}
+    marks: dict[int, str] = {}
     for path, msg in exc.fields.items():
         line = field_line(text, path)
         st.markdown(f"- {'line ' + str(line) + ' · ' if line else ''}`{path}`: {msg}")
@@ -92,6 +92,7 @@ def refused(exc: ApiError) -> None:
             marks[line] = f"{marks[line]}; {msg}" if line in marks else msg
     if marks:
         st.code(numbered(text, marks), language="yaml")
+        st.session_state["spec_marks"] = (text, marks)
 
 
 if validate or launch:
@@ -103,6 +104,8 @@ if validate or launch:
             created = client.create_job(data)
     except SpecSyntaxError as exc:
         st.error(f"Invalid YAML: {exc}")
+        if exc.line:
+            st.session_state["spec_marks"] = (text, {exc.line: str(exc)})
     except ApiError as exc:
         refused(exc)
     else:
@@ -116,3 +119,7 @@ if validate or launch:
         else:  # straight to the new job
             st.session_state["job_id"] = created.id
             st.switch_page("views/job.py")
+
+# The editor's gutter: line numbers, and the lines of the last refusal shaded while the text is the one refused.
+marked_text, marks = st.session_state.get("spec_marks", ("", {}))
+st.markdown(gutter_css("spec_yaml", text.count("\n") + 1, marks if marked_text == text else {}), unsafe_allow_html=True)
