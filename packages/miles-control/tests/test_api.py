@@ -5,10 +5,12 @@ The launcher is off here (jobs stay queued); launching real jobs is tested in te
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from miles_control.config import JobSpec
 from miles_control.store import JobStatus, Store
 from miles_control.store.tokens import revoke_token
 
@@ -490,3 +492,53 @@ def test_hostile_bodies_get_4xx_not_500(api, tmp_path):
     ) as r:
         assert r.status_code == 200
     assert api.store.jobs()[1] == 1  # only the one valid job was stored
+
+
+def test_engine_logs_are_served_only_from_where_the_server_put_or_confined_them(api, tmp_path):
+    """An SGLang server's log (`get_logs?source=engine-<i>`): from the launcher's folder beside the driver's log; a
+    link there that leads elsewhere is not served; a spec's own rollout.engine.log_dir only for a job created over
+    the API (whose policy confined it) and only for its latest attempt."""
+    from miles_control.launch.drivers import engine_log_dir
+
+    def attempt_logging_to(job_id: int, log_path: Path) -> None:
+        attempt = api.store.start_attempt(job_id, "local")
+        api.store.update_attempt(attempt.id, log_path=str(log_path))
+
+    sglang = {"engine": {"type": "sglang"}}
+    launched = api.create("launched", rollout=sglang)["id"]
+    log_path = tmp_path / "logs" / f"job-{launched}" / "attempt-1.log"
+    folder = engine_log_dir(log_path)
+    folder.mkdir(parents=True)
+    log_path.write_text("driver\n")
+    (folder / "sglang-0.log").write_text("server 0 ready\n")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a log\n")
+    (folder / "sglang-1.log").symlink_to(secret)
+    attempt_logging_to(launched, log_path)
+    url = f"/api/v1/jobs/{launched}/logs"
+    assert [s["name"] for s in api.get(url + "/sources").json()] == ["driver", "engine-0"]
+    assert api.get(url, params={"source": "engine-0"}).text == "server 0 ready\n"
+    r = api.get(url, params={"source": "engine-1"})
+    assert r.status_code == 404 and "no engine-1 log" in r.json()["detail"]
+    r = api.get(url, params={"source": "../secret"})
+    assert r.status_code == 422  # not a source's name
+
+    # a job stored outside the API (`miles run --store`) names a folder no policy checked: not served
+    spec = JobSpec.model_validate({"name": "cli", "rollout": {"engine": {"type": "sglang", "log_dir": str(folder)}}})
+    cli = api.store.create_job("cli", spec.model_dump(mode="json"), source="cli")
+    attempt_logging_to(cli, tmp_path / "cli.log")
+    r = api.get(f"/api/v1/jobs/{cli}/logs", params={"source": "engine-0"})
+    assert r.status_code == 404 and "not created over the API" in r.json()["detail"]
+    assert [s["name"] for s in api.get(f"/api/v1/jobs/{cli}/logs/sources").json()] == ["driver"]
+
+    # an API job's own (confined) log_dir holds its latest attempt's logs: an earlier attempt's were overwritten
+    own = api.create("own-dir", rollout={"engine": {"type": "sglang", "log_dir": "engine-logs"}})
+    own_dir = Path(own["spec"]["rollout"]["engine"]["log_dir"])
+    own_dir.mkdir(parents=True)
+    (own_dir / "sglang-0.log").write_text("attempt 2's server\n")
+    for n in (1, 2):
+        attempt_logging_to(own["id"], tmp_path / f"own-{n}.log")
+    url = f"/api/v1/jobs/{own['id']}/logs"
+    assert api.get(url, params={"source": "engine-0"}).text == "attempt 2's server\n"
+    r = api.get(url, params={"source": "engine-0", "attempt": 1})
+    assert r.status_code == 404 and "replaced by a later one" in r.json()["detail"]

@@ -133,13 +133,22 @@ def main() -> None:
     backend.save(ckpt)
     result["metrics2"] = backend.train_step(batch)
     result["after2_fp"] = weight_fingerprint(backend.export_weights())
+    result["critic_after2_fp"] = critic_fingerprint(backend)
     backend.load(ckpt)
     result["reloaded"] = snapshot(backend)
     result["metrics_after_reload"] = backend.train_step(batch)
     result["after_reload_step_fp"] = weight_fingerprint(backend.export_weights())
+    result["critic_after_reload_step_fp"] = critic_fingerprint(backend)
     backend.shutdown()
     if rank == 0:
         torch.save(result, out)
+
+
+def critic_fingerprint(backend) -> str | None:
+    """PPO's value model after a step (its weights follow from the weights and the AdamW state before it)."""
+    if backend.critic is None:
+        return None
+    return weight_fingerprint((n, p.detach().clone()) for n, p in backend.critic.model.named_parameters())
 
 
 def one_step(backend, rank: int, out: str, expect_error: bool, batch: TrainBatch) -> None:

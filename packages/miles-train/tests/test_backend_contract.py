@@ -514,9 +514,11 @@ CRITIC = [("fsdp2", 2), ("megatron-tp2", 2), ("torchtitan", 1)]
 def test_ppo_trains_its_critic_and_resumes_it_with_the_policy(variant, world_size, tiny_model_dir, tmp_path):
     """Step 1 on the contract batch: the fresh critic's values are 0, so the returns are the rewards discounted by
     λ = 0.9 from each response's last token (1, 0.9, 0.81 for a rewarded response of three tokens) and the value
-    loss is ½ R² averaged over the 14 tokens. The critic learns (step 2's loss on the same batch is lower, its values
-    moved towards the returns), and after a save, a step and a load, the next step repeats that step exactly: the
-    value model and its optimizer state came back (a fresh critic would again predict 0)."""
+    loss is ½ R² averaged over the 14 tokens; its gradient norm is the one of that loss written plainly on one
+    process (values taken where the loss mask says, the ranks' gradients reduced once per row). The critic learns
+    (step 2's loss on the same batch is lower, its values moved towards the returns), and after a save, a step and a
+    load, the next step repeats that step exactly, down to the critic's weights after it: the value model and its
+    AdamW state came back (a fresh critic would again predict 0; a fresh optimizer would step differently)."""
     spec = {
         "algorithm": "ppo",
         "critic": {"lr": 0.01, "lam": 0.9, "value_clip": None},
@@ -533,10 +535,30 @@ def test_ppo_trains_its_critic_and_resumes_it_with_the_policy(variant, world_siz
     second, resumed = result["metrics2"], result["metrics_after_reload"]
     assert second["train/value_loss"] < 0.8 * first["train/value_loss"], (first, second)
     assert 0 < second["train/value_mean"] < first["train/return_mean"]
-    assert first["train/critic_grad_norm"] > 0 and first["train/grad_norm"] > 0
+    assert first["train/critic_grad_norm"] == pytest.approx(plain_critic_grad_norm(tiny_model_dir, returns), rel=1e-4)
+    assert first["train/grad_norm"] > 0
     for key in ("train/value_loss", "train/value_mean", "train/explained_variance", "train/objective"):
         assert resumed[key] == pytest.approx(second[key], abs=1e-5), key
     assert result["after_reload_step_fp"] == result["after2_fp"]  # the policy resumed too
+    assert result["critic_after_reload_step_fp"] == result["critic_after2_fp"] is not None
+
+
+def plain_critic_grad_norm(model_dir, returns: list[list[float]]) -> float:
+    """The norm of the gradient of ½(V − R)², token mean over the contract batch, for a fresh value model."""
+    from miles_train.critic import load_value_model
+    from miles_train.objectives import value_loss
+
+    model = load_value_model(model_dir, torch.device("cpu"))
+    batch = contract_batch()
+    c = collate(batch)
+    values = model(c.input_ids, c.attention_mask)[:, :-1]
+    targets = torch.zeros_like(values)
+    for i, row in enumerate(returns):
+        start = batch.response_start[i] - 1
+        targets[i, start : start + len(row)] = torch.tensor(row)
+    per_token, _ = value_loss(values, torch.zeros_like(values), targets, None)
+    (per_token * c.loss_mask).sum().div(c.loss_mask.sum()).backward()
+    return float(torch.sqrt(sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None)))
 
 
 def test_distill_checkpoints_record_the_teacher_and_resume_against_it(tiny_model_dir, tiny_llama_dir, tmp_path):

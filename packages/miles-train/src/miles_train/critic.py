@@ -6,8 +6,10 @@ the token at t + 1 is generated, so values line up with the next-token logprobs 
 
 Every trainer rank holds a full replica, whatever the policy's layout (FSDP2 shards, tensor-parallel splits): each
 data-parallel rank computes the loss on its own rows of a minibatch, divided by the token count of the whole
-minibatch, and the gradients are summed over the data-parallel group, which gives the gradient of the unsplit batch
-(tensor-parallel peers train on the same rows and stay identical). It has its own AdamW. Its memory is therefore a
+minibatch; the gradients are summed over every rank and divided by the number of ranks that hold the same rows
+(tensor-parallel peers), which gives the gradient of the unsplit batch, the same bits on every rank, so the replicas
+cannot drift apart even where a backward is not bitwise deterministic (attention kernels on GPU). It has its own
+AdamW. Its memory is therefore a
 whole fp32 copy of the transformer (and its optimizer state) per rank; sharding it like the policy is not built.
 
 A checkpoint holds it in `<checkpoint>/critic/`: the transformer as an HF folder, `value_head.safetensors` and the
@@ -17,9 +19,7 @@ optimizer state. Such a folder can also start a new job's critic (`train.critic.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return self.head(hidden.float()).squeeze(-1)
 
 
@@ -75,11 +75,12 @@ class Critic:
         path: str | Path,
         optimizer: OptimizerConfig,
         device: torch.device,
-        dp_group: Callable[[], Any],
+        replicas: int = 1,
     ) -> None:
+        """`replicas`: how many ranks train on the same rows (the tensor-parallel size; 1 for FSDP2)."""
         self.config = config
         self.device = device
-        self._dp_group = dp_group
+        self.replicas = replicas
         self.model = load_value_model(path, device).train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -95,8 +96,12 @@ class Critic:
 
     @torch.no_grad()
     def values(self, c: Collated) -> torch.Tensor:
-        """[b, T-1] values of the rows of `c`, no gradient."""
-        return self._values(c)
+        """[b, T-1] values of the rows of `c`, no gradient (in eval mode: no dropout in the values at rollout)."""
+        self.model.eval()
+        try:
+            return self._values(c)
+        finally:
+            self.model.train()
 
     def minibatch_backward(
         self, c: Collated, returns: torch.Tensor, old_values: torch.Tensor, num_tokens: float
@@ -115,16 +120,21 @@ class Critic:
                 "value_pred": float((values.detach() * m).sum()),
             }
 
-    def step(self) -> float | None:
-        """Sum the gradients over the data-parallel ranks, clip, step and zero them; the global norm (None unclipped)."""
-        group = self._dp_group()
-        for p in self.model.parameters():
-            if p.grad is None:  # every rank reduces every parameter, in the same order
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
-        norm = None
-        if self.config.max_grad_norm is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+    def step(self) -> float:
+        """Reduce the gradients over every rank (one flat all-reduce), clip, step and zero them; the global norm
+        before clipping."""
+        params = list(self.model.parameters())
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        if self.replicas > 1:  # each row's loss was counted once by each of its tensor-parallel peers
+            flat /= self.replicas
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(p)
+            offset += g.numel()
+        limit = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
@@ -148,7 +158,7 @@ class Critic:
         folder = Path(directory) / CRITIC_DIR
         if not (folder / VALUE_HEAD).is_file():
             return False
-        self.model.load_state_dict(load_value_model(folder, self.device).state_dict())  # the head with it
-        state = torch.load(folder / OPTIMIZER_FILE, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(load_value_model(folder, torch.device("cpu")).state_dict())  # the head with it
+        state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=False)  # moved by load_state_dict
         self.optimizer.load_state_dict(state)
         return True

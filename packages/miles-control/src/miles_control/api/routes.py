@@ -376,19 +376,41 @@ def _attempt(store: Store, job_id: int, attempt: int | None):
     return chosen[-1]
 
 
-def _engine_logs(job: Job, attempt) -> FilePath | None:
-    """The folder of an attempt's SGLang server logs on this server: the spec's rollout.engine.log_dir, else the one
-    the launcher gave the driver (beside its log); None for an attempt that ran elsewhere (a Ray job)."""
+def _engine_logs(store: Store, job: Job, attempt) -> tuple[FilePath | None, str]:
+    """The folder of an attempt's SGLang server logs on this server, or None and why not. The launcher gives each
+    attempt its own folder beside the driver's log. A spec's rollout.engine.log_dir is used for a job created over the
+    API (the API's policy confined it to the runs folder; a job stored by `miles run --store` was not checked) and
+    only for its latest attempt (every attempt writes the same files)."""
     engine = (job.spec.get("rollout") or {}).get("engine") or {}
     if engine.get("type") != "sglang":
-        return None
+        return None, f"job {job.id} runs no SGLang servers (engine {engine.get('type')})"
     if engine.get("log_dir"):
-        return FilePath(engine["log_dir"])
+        if job.source != "api":
+            return None, f"job {job.id} was not created over the API: its rollout.engine.log_dir is not served"
+        if attempt.number != store.attempts(job.id)[-1].number:
+            return (
+                None,
+                f"attempt {attempt.number}'s engine logs in rollout.engine.log_dir were replaced by a later one",
+            )
+        return FilePath(engine["log_dir"]), ""
     if attempt.launcher == "ray_job" or not attempt.log_path:
-        return None
+        return None, f"attempt {attempt.number} of job {job.id} ran elsewhere: its engine logs stay on its nodes"
     from miles_control.launch.drivers import engine_log_dir
 
-    return engine_log_dir(FilePath(attempt.log_path))
+    return engine_log_dir(FilePath(attempt.log_path)), ""
+
+
+def _engine_log_files(folder: FilePath) -> dict[int, FilePath]:
+    """`sglang-<i>.log` files lying in `folder` itself (a link that leads elsewhere is not served)."""
+    if not folder.is_dir():
+        return {}
+    root = folder.resolve()
+    found = {}
+    for path in folder.glob("sglang-*.log"):
+        match = re.match(r"sglang-(\d{1,4})\.log$", path.name)
+        if match and path.is_file() and path.resolve().parent == root:
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
 
 
 @router.get("/{job_id}/logs/sources", response_model=list[LogSource], responses=JOB, summary="The logs of an attempt")
@@ -400,15 +422,11 @@ def list_log_sources(job_id: JobId, request: Request, _: ReadToken, attempt: Att
     chosen = _attempt(store, job_id, attempt)
     size = FilePath(chosen.log_path).stat().st_size if chosen.log_path and FilePath(chosen.log_path).exists() else 0
     sources = [LogSource(name="driver", size_bytes=size, description="the driver: the job's own progress and errors")]
-    folder = _engine_logs(job, chosen)
-    if folder is not None and folder.is_dir():
-        found = [
-            (int(m.group(1)), p) for p in folder.glob("sglang-*.log") if (m := re.match(r"sglang-(\d+)\.log$", p.name))
-        ]
-        for index, path in sorted(found):
-            sources.append(
-                LogSource(name=f"engine-{index}", size_bytes=path.stat().st_size, description=f"SGLang server {index}")
-            )
+    folder, _ = _engine_logs(store, job, chosen)
+    for index, path in _engine_log_files(folder).items() if folder is not None else ():
+        sources.append(
+            LogSource(name=f"engine-{index}", size_bytes=path.stat().st_size, description=f"SGLang server {index}")
+        )
     return sources
 
 
@@ -435,12 +453,13 @@ def get_logs(
     job = _job(store, job_id)
     chosen = _attempt(store, job_id, attempt)
     if source != "driver":
-        folder = _engine_logs(job, chosen)
+        folder, why = _engine_logs(store, job, chosen)
         if folder is None:
-            raise HTTPException(404, f"attempt {chosen.number} of job {job_id} has no engine logs on this server")
+            raise HTTPException(404, why)
         match = ENGINE_LOG.match(source)
         assert match is not None  # the query's pattern
-        return _tail(folder / f"sglang-{int(match.group(1))}.log", tail_bytes, f"job {job_id} has no {source} log")
+        path = _engine_log_files(folder).get(int(match.group(1)))
+        return _tail(path or FilePath(""), tail_bytes, f"attempt {chosen.number} of job {job_id} has no {source} log")
     chosen = [chosen]
     if chosen[-1].launcher == "ray_job" and chosen[-1].submission_id:
         from miles_control.launch import RayJobDriver

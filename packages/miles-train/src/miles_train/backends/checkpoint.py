@@ -88,19 +88,23 @@ def save_checkpoint(
 
 
 def folder_identity(model_path: str | Path) -> dict[str, str]:
-    """A frozen model's identity, cheap enough for a teacher of any size: the sha256 of its config.json and, for each
-    `*.safetensors` file, of its size, its header (every tensor's name, dtype, shape and offsets) and its first and
-    last MiB of data. Two folders with equal identities hold the same model unless weights were edited in place
-    without changing a shape (the middle of a file is not read)."""
+    """A frozen model's identity, cheap enough for a teacher of any size: the sha256 of its config.json (less
+    `transformers_version`, which a re-save by a newer transformers changes) and, for each weights file
+    (`*.safetensors`, `*.bin`), of its size, its first and last MiB (for safetensors, the header before them: every
+    tensor's name, dtype, shape and offsets). Two folders with equal identities hold the same model unless weights
+    were edited in place in the middle of a file without changing a shape."""
     folder = Path(model_path)
-    out = {"config.json": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()}
-    for file in sorted(folder.glob("*.safetensors")):
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("transformers_version", None)
+    out = {"config.json": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()}
+    for file in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
         digest = hashlib.sha256()
         size = file.stat().st_size
         digest.update(str(size).encode())
         with file.open("rb") as f:
-            header = int.from_bytes(f.read(8), "little")
-            digest.update(f.read(min(header, size)))
+            if file.suffix == ".safetensors":
+                header = int.from_bytes(f.read(8), "little")
+                digest.update(f.read(min(header, size)))
             digest.update(f.read(SAMPLED))
             f.seek(max(f.tell(), size - SAMPLED))
             digest.update(f.read(SAMPLED))

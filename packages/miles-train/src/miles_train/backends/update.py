@@ -143,7 +143,8 @@ class GRPOBackend:
         from miles_train.critic import Critic
 
         config = self.config.critic_config
-        self.critic = Critic(config, config.model or model_path, self.config.optimizer, self.device, self._dp_group)
+        replicas = self.world_size // self.dp_size  # ranks that train on the same rows (tensor-parallel peers)
+        self.critic = Critic(config, config.model or model_path, self.config.optimizer, self.device, replicas)
 
     def _save_side_models(self, directory: str | Path) -> None:
         if self.config.teacher is not None and self.rank == 0:
@@ -408,9 +409,7 @@ class GRPOBackend:
                     counts[0],
                 ).items():  # fmt: skip
                     critic_sums[key] += value
-                critic_norm = self.critic.step()
-                if critic_norm is not None:
-                    critic_norms.append(critic_norm)
+                critic_norms.append(self.critic.step())
             tis_max = max(tis_max, part.pop("tis_max"))
             objective += part.pop("objective")
             for key, value in part.items():
@@ -543,7 +542,7 @@ class GRPOBackend:
         and of the values at rollout: value_mean, return_mean and explained_variance 1 − Var(R − V) / Var(R)."""
         reduced = self._all_reduce(list(sums.values()))
         metrics = {f"train/{k}": v / max(total_tokens, 1.0) for k, v in zip(sums, reduced, strict=True)}
-        metrics["train/critic_grad_norm"] = sum(norms) / len(norms) if norms else 0.0
+        metrics["train/critic_grad_norm"] = sum(norms) / len(norms)  # before clipping, the mean over minibatches
         on = mask.bool()
         returns, predicted = targets[on].double(), values[on].double()
         metrics["train/value_mean"] = float(predicted.mean()) if predicted.numel() else 0.0

@@ -15,6 +15,7 @@ The engine puts together one part per concern, each in its own module:
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -121,7 +122,9 @@ class SGLangEngine:
             )
         from miles_sync.formats.packed import write_packed_checkpoint
 
-        return write_packed_checkpoint(self.model_path, self._log_dir / f"checkpoint-{fmt}", fmt)
+        # a whole model copy: in a temporary folder of its own, removed at shutdown (the log folder may be kept)
+        self._packed_dir = Path(tempfile.mkdtemp(prefix="miles-sglang-packed-"))
+        return write_packed_checkpoint(self.model_path, self._packed_dir / f"checkpoint-{fmt}", fmt)
 
     def _launch(self, index: int) -> SGLangServer:
         gpus = None if self.gpu_ids is None else self.gpu_ids[index]
@@ -285,4 +288,6 @@ class SGLangEngine:
                 slot.server.stop()
         if (weights := getattr(self, "_weights", None)) is not None:  # None: the engine failed to start
             weights.release_pinned()
+        if (packed := getattr(self, "_packed_dir", None)) is not None:
+            shutil.rmtree(packed, ignore_errors=True)
         self._calls.close()
