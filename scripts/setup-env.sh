@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment with the pinned CPU stack and the four
-# packages installed editable. Idempotent: a stamp of the pin files skips work when nothing changed.
+# Create (or reuse) the project's virtual environment with the pinned CPU stack, the four packages
+# and the dashboard app installed editable. Idempotent: a stamp of the pin files skips work when nothing changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MILES_VENV:-$ROOT/.venv}"
@@ -8,7 +8,7 @@ PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 
 stamp_of() {
-  cat "$ROOT"/requirements/*.txt "$ROOT"/packages/*/pyproject.toml | sha256sum | cut -c1-16
+  cat "$ROOT"/requirements/*.txt "$ROOT"/packages/*/pyproject.toml "$ROOT"/apps/*/pyproject.toml | sha256sum | cut -c1-16
 }
 STAMP="$(stamp_of)"
 if [[ -x "$VENV/bin/python" && -f "$VENV/.miles-stamp" && "$(cat "$VENV/.miles-stamp")" == "$STAMP" ]]; then
@@ -22,9 +22,9 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -r "$ROOT/requirements/cpu.txt" -r "$ROOT/requirements/dev.txt" 2> >(grep -v "is ignored: it is neither" >&2)
 # Step 2: packages whose metadata would drag in CUDA-only extras or that declare Python ≥ 3.12.
 "${PIP[@]}" install --no-deps --ignore-requires-python -r "$ROOT/requirements/cpu-nodeps.txt" 2> >(grep -v "is ignored: it is neither" >&2)
-# Step 3: Miles itself, editable, without touching the pins above.
+# Step 3: Miles itself (the packages and apps/dashboard), editable, without touching the pins above.
 "${PIP[@]}" install --no-deps --no-build-isolation \
   -e "$ROOT/packages/miles-sync" -e "$ROOT/packages/miles-rollout" \
-  -e "$ROOT/packages/miles-train" -e "$ROOT/packages/miles-control" 2> >(grep -v "is ignored: it is neither" >&2)
+  -e "$ROOT/packages/miles-train" -e "$ROOT/packages/miles-control" -e "$ROOT/apps/dashboard" 2> >(grep -v "is ignored: it is neither" >&2)
 echo "$STAMP" > "$VENV/.miles-stamp"
 echo "[miles] environment ready: $VENV" >&2

@@ -14,7 +14,7 @@ from miles_control.store.tokens import create_token
 from miles_control.testing import ApiServer
 
 ROOT = Path(__file__).resolve().parents[1]
-APP = ROOT / "packages" / "miles-control" / "src" / "miles_control" / "dashboard" / "app.py"
+APP = ROOT / "apps" / "dashboard" / "src" / "miles_dashboard" / "app.py"
 
 
 def seed_run(store: Store, name: str, schedule: str, num_steps: int, final: JobStatus, **fields) -> int:

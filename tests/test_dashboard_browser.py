@@ -3,7 +3,6 @@ real jobs: launch from the UI, watch it succeed, open its timeline, tune a runni
 
 Screenshots go to artifacts/screenshots/ (ignored by git)."""
 
-import os
 import re
 import shutil
 import subprocess
@@ -40,12 +39,10 @@ def stack(tmp_path):
     _, token = create_token(store, "browser", "admin")
     api = ApiServer(url, tmp_path, poll_interval_s="0.3", cpus="2", presets_dir=str(ROOT / "examples")).start()
     port = free_port()
-    env = {**os.environ, "MILES_API_URL": api.url}
     log = open(tmp_path / "dashboard.log", "ab")
-    ui = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "packages" / "miles-control" / "src" / "miles_control" / "dashboard" / "app.py"),
-         "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+    ui = subprocess.Popen(  # the app's own entry point (the `miles-dashboard` command)
+        [sys.executable, "-m", "miles_dashboard", "--api", api.url, "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     wait_until_serving(f"{base}/_stcore/health", ui, log=tmp_path / "dashboard.log")

@@ -13,6 +13,7 @@ import yaml
 
 from miles_control.cli import app
 from miles_control.spec import load_spec
+from miles_dashboard.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
@@ -23,6 +24,9 @@ def documents() -> dict[str, list[dict]]:
     return {f.name: [d for d in yaml.safe_load_all(f.read_text()) if d] for f in files}
 
 
+PROGRAMS = ("miles", "miles-dashboard", "ray")
+
+
 def commands() -> list[list[str]]:
     """Every command line the files run: compose `command`s, container `command`s, RayJob entrypoints."""
     found: list[list[str]] = []
@@ -30,7 +34,7 @@ def commands() -> list[list[str]]:
     def walk(node):
         if isinstance(node, dict):
             for key, value in node.items():
-                if key == "command" and isinstance(value, list) and value and value[0] in ("miles", "ray"):
+                if key == "command" and isinstance(value, list) and value and value[0] in PROGRAMS:
                     found.append([str(v) for v in value])
                 elif key == "entrypoint" and isinstance(value, str):
                     found.append(shlex.split(value))
@@ -73,12 +77,15 @@ def test_every_command_exists_with_its_flags():
         if argv[0] == "miles":
             assert check_flags(miles, argv[1:]) == [], argv
             seen.add(argv[1])
+        elif argv[0] == "miles-dashboard":  # the dashboard's own command (argparse): unknown flags exit 2
+            build_parser().parse_args(argv[1:])
+            seen.add(argv[0])
         else:
             ray_scripts = pytest.importorskip("ray.scripts.scripts")
             assert argv[1] == "start", argv
             assert check_flags(ray_scripts.start, argv[2:]) == [], argv
             seen.add("ray start")
-    assert {"serve", "dashboard", "run", "ray start"} <= seen
+    assert {"serve", "miles-dashboard", "run", "ray start"} <= seen
 
 
 def test_the_rayjob_launches_a_job_that_validates():
@@ -89,8 +96,14 @@ def test_the_rayjob_launches_a_job_that_validates():
     assert spec.ray.address == "auto" and spec.resources.trainer_node == {"trainer": 1}
 
 
-def test_the_container_build_copies_what_exists():
-    dockerfile = (INFRA / "docker" / "Dockerfile").read_text()
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.dashboard"])
+def test_the_container_build_copies_what_exists(name):
+    dockerfile = (INFRA / "docker" / name).read_text()
     copied = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ")]
     assert copied and all((ROOT / path).exists() for path in copied), copied
-    assert "ARG VARIANT=cpu" in dockerfile
+    if name == "Dockerfile":
+        assert "ARG VARIANT=cpu" in dockerfile
+    else:  # the dashboard's image holds its app and the API client, not the trainer or the engines
+        assert {"packages/miles-control", "apps/dashboard"} <= set(copied), copied
+        assert not {"packages/miles-train", "packages/miles-rollout", "packages/"} & set(copied), copied
+        assert '"miles-dashboard"' in dockerfile.splitlines()[-1], "the image's command is the app's own"

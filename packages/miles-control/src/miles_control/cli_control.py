@@ -83,28 +83,21 @@ def dashboard(
     api: ApiUrl = DEFAULT_API,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8501,
-    app_path: Annotated[
-        Path | None, typer.Option("--app", help="The dashboard's app.py (default: the one miles-control ships).")
-    ] = None,
 ) -> None:
     """Run the Streamlit dashboard (jobs, live metrics and timelines, schedule tuning, comparisons).
 
-    Each visitor signs in with their own token; this process passes none to the dashboard (MILES_TOKEN is
-    removed from its environment). Streamlit replaces this process, so a signal to it stops the dashboard."""
+    The dashboard is its own app (apps/dashboard, `miles-dashboard`); this runs it with the same flags. Each
+    visitor signs in with their own token; the dashboard holds none (MILES_TOKEN is removed from its environment).
+    Streamlit replaces this process, so a signal to it stops the dashboard."""
+    import importlib.util
     import sys
 
-    app_file = app_path or Path(__file__).with_name("dashboard") / "app.py"  # shipped as package data
-    if not app_file.exists():
-        _fail(f"no dashboard at {app_file}; pass --app PATH", 2)
-    cmd = [
-        sys.executable, "-m", "streamlit", "run", str(app_file), "--server.address", host, "--server.port", str(port),
-        "--server.headless", "true", "--browser.gatherUsageStats", "false",
-    ]  # fmt: skip
-    console.print(f"Miles dashboard on http://{host}:{port} (API {api}; visitors sign in with their own token)")
-    env = {k: v for k, v in os.environ.items() if k != "MILES_TOKEN"} | {"MILES_API_URL": api}
+    if importlib.util.find_spec("miles_dashboard") is None:
+        _fail('the dashboard is not installed: pip install "miles-control[dashboard]" (or ./apps/dashboard)', 2)
+    cmd = [sys.executable, "-m", "miles_dashboard", "--api", api, "--host", host, "--port", str(port)]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, cmd, env)  # no child left behind: SIGTERM reaches Streamlit itself
+    os.execv(sys.executable, cmd)  # miles-dashboard then becomes Streamlit: no child is left behind
 
 
 def printable(text: str | None) -> str:

@@ -17,11 +17,11 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from miles_control.api.auth import AdminToken, ReadToken
 from miles_control.api.errors import CHANGE, JOB, documented, unprocessable
 from miles_control.api.policy import check_spec
+from miles_control.api.requests import JobCreate, SchedulePatch
 from miles_control.api.schemas import (
     AttemptPublic,
     CheckpointPublic,
     EventPublic,
-    JobCreate,
     JobDetail,
     JobPage,
     JobPublic,
@@ -30,7 +30,6 @@ from miles_control.api.schemas import (
     RunSummaryPublic,
     SamplePublic,
     ScheduleChangePublic,
-    SchedulePatch,
     SpanPublic,
     SpecCheck,
     StepPublic,

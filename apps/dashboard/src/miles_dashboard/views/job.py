@@ -4,7 +4,9 @@ samples and events; refreshed every few seconds while the job runs."""
 import pandas as pd
 import streamlit as st
 import yaml
-from charts import (
+
+from miles_control.client import ApiError
+from miles_dashboard.charts import (
     KEY_METRICS,
     breakdown,
     breakdown_chart,
@@ -15,9 +17,7 @@ from charts import (
     series_chart,
     spans_frame,
 )
-from common import ACTIVE, api, choose_job, clock, rows, status_text, timing
-
-from miles_control.client import ApiError
+from miles_dashboard.common import ACTIVE, api, choose_job, clock, rows, status_text, timing
 
 client = api()
 st.title("Job")

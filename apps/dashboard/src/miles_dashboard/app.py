@@ -1,8 +1,8 @@
 """Miles dashboard: launch jobs, watch their metrics and per-stage timing, tune schedules, compare runs.
 
-Run with `miles dashboard` (or `streamlit run` on this file: it ships with miles-control as package data). It talks to the REST API only
+Run with `miles-dashboard` (or `miles dashboard`, or `streamlit run` on this file). It talks to the REST API only
 (MILES_API_URL, or the sidebar's connection form, where each visitor signs in with their own token) and imports
-nothing of Miles but its API client and schemas, and no torch."""
+nothing of Miles but miles-control's API client and schemas, and no torch."""
 
 import streamlit as st
 

@@ -4,10 +4,10 @@ an earlier job's spec, edited as YAML, validated by the API before or as it laun
 import pandas as pd
 import streamlit as st
 import yaml
-from common import ACTIVE, RETRY_S, age, api
-from specs import SpecSyntaxError, clone_spec, field_line, gutter_css, numbered, parse_yaml
 
 from miles_control.client import ApiError
+from miles_dashboard.common import ACTIVE, RETRY_S, age, api
+from miles_dashboard.specs import SpecSyntaxError, clone_spec, field_line, gutter_css, numbered, parse_yaml
 
 client = api()
 st.title("Jobs")

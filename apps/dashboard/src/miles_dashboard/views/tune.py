@@ -2,10 +2,10 @@
 refreshes by itself and stays readable once the job has finished."""
 
 import streamlit as st
-from charts import metric_grid, metrics_frame
-from common import ACTIVE, RETRY_S, api, choose_job, rows, status_text
 
 from miles_control.client import ApiError
+from miles_dashboard.charts import metric_grid, metrics_frame
+from miles_dashboard.common import ACTIVE, RETRY_S, api, choose_job, rows, status_text
 
 LIVE = ("update_weights_interval", "max_staleness", "pause_mode", "buffer_groups")
 # fields a schedule type takes but that change nothing there, with the reason shown beside them

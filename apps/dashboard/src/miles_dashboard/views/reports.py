@@ -4,9 +4,9 @@ API serves them: the markdown with its plots, and links to the jobs each one ran
 import re
 
 import streamlit as st
-from common import RETRY_S, api, clock
 
 from miles_control.client import ApiError
+from miles_dashboard.common import RETRY_S, api, clock
 
 client = api()
 st.title("Bench reports")

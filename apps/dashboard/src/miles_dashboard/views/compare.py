@@ -4,9 +4,10 @@ metric against wall time or step, time breakdown, and the schedule bench report 
 
 import pandas as pd
 import streamlit as st
-from charts import breakdown, breakdown_chart, metrics_frame, series_chart
-from common import ACTIVE, RETRY_S, api, rows
-from specs import beyond_schedule, spec_diff
+
+from miles_dashboard.charts import breakdown, breakdown_chart, metrics_frame, series_chart
+from miles_dashboard.common import ACTIVE, RETRY_S, api, rows
+from miles_dashboard.specs import beyond_schedule, spec_diff
 
 client = api()
 st.title("Compare runs")
