@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from miles_control.store import Store
+from miles_control.summary import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -102,6 +103,20 @@ def test_fully_async_respects_max_staleness_and_takes_live_changes(tmp_path):
     assert before == list(range(1, applied_at))  # every step before the change
     assert all(s % 2 == 0 for s in after) and {pushes[s] for s in after} == {"retract"}
     assert store.job(1).status == "succeeded"
+
+    # every push says where its time went: the phases cover its latency (up to the driver's bookkeeping)
+    for span in store.spans(1, "weight_sync"):
+        phases = span.attrs["phases"]
+        assert {"export", "handoff", "pause", "pause/probe_wait", "load", "load/verify", "resume"} <= set(phases)
+        assert all(v >= -0.01 for v in phases.values()), phases
+        assert phases["pause/probe_wait"] <= phases["pause"] + 1e-3 and phases["load/verify"] <= phases["load"] + 1e-3
+        top = sum(v for k, v in phases.items() if "/" not in k)
+        assert top <= span.end - span.start + 0.01 and top >= 0.8 * (span.end - span.start), (
+            phases,
+            span.end - span.start,
+        )
+    breakdown = summarize(store, 1).push_phases_s
+    assert breakdown["load"] > 0 and "unaccounted" in breakdown, breakdown
 
 
 def test_partial_rollouts_continue_what_a_push_aborts(tmp_path):

@@ -92,6 +92,41 @@ def plot(summaries: list[RunSummary], out: Path) -> list[str]:
     return files
 
 
+PUSH_COLUMNS = (
+    ("export", "trainer export"),
+    ("handoff", "hand-off"),
+    ("pause", "pause"),
+    ("pause/probe_wait", "of which waiting for a probe"),
+    ("load", "load"),
+    ("load/verify", "of which server check"),
+    ("resume", "resume"),
+    ("check", "check after resume"),
+    ("unaccounted", "unaccounted"),
+)
+
+
+def push_breakdown_table(summaries: list[RunSummary]) -> list[str]:
+    """Where a weight push's time goes, per schedule: mean milliseconds per push in each phase."""
+    shown = [(key, title) for key, title in PUSH_COLUMNS if any(key in s.push_phases_s for s in summaries)]
+    lines = [
+        "",
+        "## Weight push breakdown (mean ms per push)",
+        "",
+        "A push's latency is the trainer's export, the hand-off of its handle to the rollout actor, and the engine's "
+        "pause (stop new calls and pause the servers with requests in flight), load (with the check of each "
+        "server's weights) and resume. Under `sync` nothing is generating during a push.",
+        "",
+        "| schedule | pushes | mean latency | " + " | ".join(title for _, title in shown) + " |",
+        "|---|---|---|" + "---|" * len(shown),
+    ]
+    for s in summaries:
+        mean = s.weight_sync_mean_s
+        cells = [f"{s.push_phases_s[key] * 1000:.1f}" if key in s.push_phases_s else "" for key, _ in shown]
+        latency = f"{mean * 1000:.1f}" if mean is not None else ""
+        lines.append(f"| {s.schedule} | {len(s.weight_sync_s)} | {latency} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -> str:
     from miles_control.schedules.fully_async import buffer_capacity
 
@@ -170,6 +205,7 @@ def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -
                 ]
             )
         )
+    lines += push_breakdown_table(summaries)
     all_steps = [k for k, _ in base.reward_by_step]
     shown = all_steps[:: max(1, -(-len(all_steps) // 10))][:10]  # at most 10 columns, evenly spaced
     lines += ["", "## Reward", "", *[f"![{p}]({p})" for p in plots], ""]

@@ -55,6 +55,9 @@ class RunSummary:
     rollout_busy_s: float = 0.0
     trainer_busy_s: float = 0.0
     weight_sync_s: list[float] = field(default_factory=list)
+    # mean seconds per push in each phase ("export", "handoff", "pause", "load", "resume", ...; "pause/probe_wait"
+    # and "load/verify" are parts of their phase) and "unaccounted": the latency the phases do not cover
+    push_phases_s: dict[str, float] = field(default_factory=dict)
     eval_accuracy: list[tuple[int, float]] = field(default_factory=list)
     reward_by_step: list[tuple[int, float]] = field(default_factory=list)
     reward_by_wall: list[tuple[float, float]] = field(default_factory=list)  # seconds since the first step
@@ -125,6 +128,19 @@ def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) ->
     return total
 
 
+def push_breakdown(pushes: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Mean seconds per push in each phase, from (latency, phases) pairs; "unaccounted" is the mean latency less
+    the top-level phases (a name with a "/" is part of another phase)."""
+    if not pushes:
+        return {}
+    names = sorted({name for _, phases in pushes for name in phases})
+    mean = {name: sum(phases.get(name, 0.0) for _, phases in pushes) / len(pushes) for name in names}
+    covered = sum(value for name, value in mean.items() if "/" not in name)
+    if names:
+        mean["unaccounted"] = sum(latency for latency, _ in pushes) / len(pushes) - covered
+    return mean
+
+
 def summarize(store: Store, job_id: int) -> RunSummary:
     """The summary of job `job_id` as the store holds it now (a running job: the steps so far)."""
     job = store.job(job_id)
@@ -164,7 +180,9 @@ def summarize(store: Store, job_id: int) -> RunSummary:
         )
     summary.rollout_busy_s = union_seconds([(s.start, s.end) for s in spans if s.stage in ROLLOUT_STAGES], lo, hi)
     summary.trainer_busy_s = union_seconds([(s.start, s.end) for s in spans if s.stage in TRAINER_STAGES], lo, hi)
-    summary.weight_sync_s = [sp.end - sp.start for sp in spans if sp.stage == "weight_sync"]
+    pushes = [sp for sp in spans if sp.stage == "weight_sync"]
+    summary.weight_sync_s = [sp.end - sp.start for sp in pushes]
+    summary.push_phases_s = push_breakdown([(sp.end - sp.start, (sp.attrs or {}).get("phases") or {}) for sp in pushes])
     summary.reward_by_step = store.metric_series(job_id, "rollout/reward_mean")
     step_end = {st.step: st.ended_at - lo for st in steps}
     summary.reward_by_wall = [(step_end[k], v) for k, v in summary.reward_by_step if k in step_end]

@@ -125,6 +125,11 @@ class RunSummaryPublic(BaseModel):
     rollout_busy_s: float
     trainer_busy_s: float
     weight_sync_s: list[float]
+    push_phases_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Mean seconds per weight push in each phase (export, handoff, pause, load, resume; "
+        "'pause/probe_wait' and 'load/verify' are parts of theirs) and 'unaccounted'.",
+    )
     eval_accuracy: list[tuple[int, float]]
     reward_by_step: list[tuple[int, float]]
     reward_by_wall: list[tuple[float, float]]

@@ -302,6 +302,9 @@ class JobRuntime:
             pause_s=received.paused_s,  # generation stood still: the load, the check unless after, a roll-back
             check_after_resume=after,
             rolled_back_to=received.rolled_back_to,
+            # where the push's time went: the trainer's export, the hand-off to the rollout actor, then the engine's
+            # phases (pause, load, resume, ...); summary.push_breakdown averages them
+            phases={"export": published.end - start, "handoff": received.start - published.end, **received.phases},
         )
         if self.spec.sync.check_weights and received.rolled_back_to is not None:
             raise RuntimeError(

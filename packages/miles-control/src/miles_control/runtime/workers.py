@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ class Received(Timed):
     paused_s: float = 0.0  # how long generation stood still: the load (and the check, or a roll-back)
     check_failure: str | None = None  # sync.check_after_resume: why the engine's check failed
     rolled_back_to: int | None = None  # ... and the version the engine went back to
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the push (PUSH_PHASES)
 
 
 @dataclass
@@ -383,30 +384,42 @@ class RolloutWorker:
         checksums too) runs once generation has resumed, and a failed one rolls the engine back to the version it
         held before (paused again for that)."""
         start = time.time()
+        phases: dict[str, float] = {}
 
-        async def paused(work: Callable[[], Any]) -> Any:
+        def timed(phase: str, began: float) -> float:
+            now = time.time()
+            phases[phase] = phases.get(phase, 0.0) + now - began
+            return now
+
+        async def paused(work: Callable[[], Any], phase: str) -> Any:
+            began = time.time()
             await self.engine.pause(pause_mode)
+            began = timed("pause", began)
             try:
                 return work()
             finally:
+                began = timed(phase, began)
                 await self.engine.resume()
+                timed("resume", began)
 
-        fingerprint = asyncio.run(paused(lambda: self.engine.receive(handle, check_later=check_after_resume)))
+        fingerprint = asyncio.run(paused(lambda: self.engine.receive(handle, check_later=check_after_resume), "load"))
         paused_s = time.time() - start
         failure, rolled_back_to = None, None
         if check_after_resume:
+            began = time.time()
             try:
                 fingerprint = self.engine.weight_fingerprint()
                 if fingerprint != handle.fingerprint:
                     failure = f"engine fingerprint {fingerprint}, trainer {handle.fingerprint}"
             except Exception as exc:  # noqa: BLE001 - SGLang: a server's checksums differ; reported, then rolled back
                 failure = f"{type(exc).__name__}: {exc}"
+            timed("check", began)
             if failure is None:
                 self.engine.drop_previous()
             else:
                 back = time.time()
                 try:
-                    rolled_back_to = asyncio.run(paused(self.engine.roll_back))
+                    rolled_back_to = asyncio.run(paused(self.engine.roll_back, "roll_back"))
                     fingerprint = self.engine.weight_fingerprint()
                 except Exception as exc:
                     raise RuntimeError(
@@ -414,7 +427,11 @@ class RolloutWorker:
                         f"and rolling the engine back failed too: {type(exc).__name__}: {exc}"
                     ) from exc
                 paused_s += time.time() - back
-        return Received(start, time.time(), fingerprint, self.engine.weight_version, paused_s, failure, rolled_back_to)
+        # an engine that times the inside of its phases says so (SGLang: waiting for a probe, the server check)
+        phases |= getattr(self.engine, "push_phases", {})
+        return Received(
+            start, time.time(), fingerprint, self.engine.weight_version, paused_s, failure, rolled_back_to, phases
+        )
 
     def shutdown(self) -> None:
         self.stop_stream()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -72,6 +73,7 @@ class SGLangEngine:
         self._tied = tied_embeddings(model_path)
         self._weight_version = 0
         self._delta_base = 0  # the version a delta push may change: -1 after a failed load
+        self.push_phases: dict[str, float] = {}  # seconds inside the last push's phases (pause, load), for its span
         self._previous_version: int | None = None  # receive(check_later=True): the version roll_back() returns to
         self._calls = ServerCalls(config.request_timeout_s)
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="miles-sglang-"))
@@ -162,7 +164,11 @@ class SGLangEngine:
 
     async def pause(self, mode: PauseMode = "in_place") -> None:
         """Stop new calls; pause (with `mode`) the servers that have requests in flight."""
+        self.push_phases = {}
+        began = time.time()
         self._pause.pause(mode)
+        self.push_phases["pause/probe_wait"] = self._pause.probe_wait_s
+        self.push_phases["pause/servers"] = time.time() - began - self._pause.probe_wait_s
 
     async def resume(self) -> None:
         self._pause.resume()
@@ -207,8 +213,10 @@ class SGLangEngine:
                 self._weights.load(handle, self._delta_base)
                 self._weight_version = handle.weight_version
                 if self._server_check and not check_later:
+                    began = time.time()
                     for slot in [s for s in self.slots if s.admitted]:
                         self._weights.verify(slot, self._weight_version)
+                    self.push_phases["load/verify"] = time.time() - began
             except BaseException as exc:
                 if self._weights.previous is not None:  # the version was taken: the one before is current again
                     self._weights.take_previous()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from miles_rollout.config import PauseMode
@@ -16,6 +18,7 @@ class PauseControl:
     def __init__(self, slots: list[Slot], router: Router, calls: ServerCalls) -> None:
         self.slots, self.router, self.calls = slots, router, calls
         self.mode: PauseMode | None = None
+        self.probe_wait_s = 0.0  # how long the last pause waited for a health probe in progress
 
     def each_live(self, path: str, body: dict | None = None) -> None:
         """POST to every server that may be running, quarantined ones included (a paused server must get its
@@ -37,7 +40,9 @@ class PauseControl:
         A server with nothing in flight is left running: a load then waits for anything SGLang itself has
         running (its health probe), and its prefix cache can be flushed."""
         busy = [s for s in self.slots if s.outstanding > 0 and (s.server is None or s.server.alive())]
+        began = time.monotonic()
         self.router.hold(wait_for_probe=bool(busy))
+        self.probe_wait_s = time.monotonic() - began
         self.mode = mode
         for slot in busy:
             try:
