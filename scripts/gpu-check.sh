@@ -7,7 +7,7 @@
 #
 # It uses its own virtual environment (MILES_VENV, default .venv-cuda): the pinned stack plus SGLang's CUDA
 # dependencies (sgl-kernel, flashinfer), which the CPU environment leaves out. Logs: $OUT (default
-# .miles/gpu-check/). Not run yet on a GPU: README "Deployment and GPUs" records what was.
+# .miles/gpu-check/). Not run yet on a GPU: docs/deployment.md records what was.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

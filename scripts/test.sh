@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command (README and .ci/run both call this): environment, lint, type check, then the whole suite.
+# The test command (the README and .ci/run both call this): environment, lint, type check, then the whole suite.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -71,7 +71,7 @@ def test_every_algorithm_learns_the_demo_on_the_hf_engine(tmp_path):
     """Every RL built-in (ppo with its critic included), 20 steps of the demo on the hf engine (seeded, the same
     prompts): held-out accuracy rises above its start by more than 2.5 standard errors (~0.022 each on 500 prompts).
     Measured 0.402 → 0.514 (reinforce_pp_baseline) to 0.544 (reinforce_pp), ppo 0.524; about 2.5 minutes here. On
-    SGLang (README, "Algorithms") the same 20 steps measured +0.09 (gspo) to +0.15 (dr_grpo)."""
+    SGLang (docs/results.md) the same 20 steps measured +0.09 (gspo) to +0.15 (dr_grpo)."""
     from miles_train.config import RL_ALGORITHMS
 
     report, _ = bench(tmp_path, 20, ",".join(RL_ALGORITHMS), "rollout.engine.type=hf", "rollout.eval.every_steps=20")

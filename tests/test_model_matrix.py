@@ -5,7 +5,7 @@ once (a tied head is the embedding), and keep the trainer's logprobs close to th
 |trainer − engine| logprob per token of the batch generated after the first push is at most 1e-5 in fp32
 (both sides compute the same function in the same precision) and at most BF16_BOUND in bf16, where the
 trainer forwards with the weights as pushed in fp32 arithmetic and the engine computes in bf16 (measured
-here: see the README, "Real models"). Combinations a backend cannot train are refused by the check a job
+here: see docs/real-models.md). Combinations a backend cannot train are refused by the check a job
 runs first, naming the config.json field.
 """
 

@@ -5,7 +5,7 @@ process, real questions rendered with the model's chat template, lr 1e-5).
 
 Bounds: in bf16 the trainer forwards with the weights as pushed (bf16 values) in fp32 arithmetic and the
 engines compute in bf16; over 30 layers their per-token logprobs differ by a mean of SMOLLM2_BF16_BOUND at
-most (measured 0.018-0.034: see the README, "Real models"). Before the weights-as-pushed rule the difference
+most (measured 0.018-0.034: see docs/real-models.md). Before the weights-as-pushed rule the difference
 after one update was 0.28-0.66 (the trainer ran fp32 weights the bf16 engines never saw). With fp32 engines
 both sides compute the same function in fp32: 1e-5.
 """

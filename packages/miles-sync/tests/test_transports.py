@@ -756,7 +756,7 @@ def test_p2p_combine_needs_every_rank_once_and_a_rank_may_hold_nothing():
     from miles_sync import P2PSync, combine
     from miles_sync.transports.p2p import P2PSender
 
-    # no receiver joins: the senders fail in the background (gloo, which reports it; see the README on NCCL)
+    # no receiver joins: the senders fail in the background (gloo, which reports it; see docs/weights.md on NCCL)
     config = P2PSync(master_port=free_port(), timeout_s=1, backend="gloo")
     rank0, rank1 = (P2PSender(config, rank=r, num_senders=2) for r in (0, 1))
     held = rank0.publish(sample_weights(), weight_version=4)

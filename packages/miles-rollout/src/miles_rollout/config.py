@@ -56,7 +56,7 @@ class SGLangEngineConfig(_Strict):
         "auto",
         description="auto: the checkpoint's dtype (config.json; SGLang's own auto would run fp32 checkpoints in "
         "half precision). A bf16 engine sees only weight changes larger than half a bf16 step: with a small "
-        "learning rate, fp32 engines receive more of each update (README, 'Real models').",
+        "learning rate, fp32 engines receive more of each update (docs/real-models.md).",
     )
     max_total_tokens: int = Field(65536, gt=0, description="KV-cache size per server, in tokens.")
     startup_timeout_s: float = Field(180.0, gt=0)
