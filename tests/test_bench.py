@@ -124,17 +124,21 @@ def test_schedule_bench_report_is_complete(tmp_path):
         "## Throughput",
         "## Time per stage",
         "## Busy and idle share per component",
+        "## Weight push breakdown",
+        "## Time to target accuracy",
         "## Reward",
     ):
         assert section in report, section
     assert re.search(r"Trainer pinned to cores \[\d+(, \d+)*\], rollout actor and its engine to cores \[\d", report)
     for schedule in ("sync", "one_step_off", "fully_async"):
         rows = [line for line in report.splitlines() if line.startswith(f"| {schedule} |")]
-        assert len(rows) == 4, (schedule, rows)  # throughput, stages, busy/idle, reward
+        assert len(rows) == 6, (schedule, rows)  # throughput, stages, busy/idle, push breakdown, time to target, reward
+        pushes = rows[3].split("|")
+        assert int(pushes[2]) == 3 and float(pushes[3]) > 0, rows[3]  # a push per step, with its mean latency
         assert "| succeeded | 3 |" in rows[0]
         ratio = float(rows[0].split("|")[-2])
         assert 0 < ratio <= 1.0 + 1e-6, rows[0]  # nothing beats the ideal overlap bound
-    for png in ("reward_vs_wall.png", "reward_vs_step.png", "time_breakdown.png"):
+    for png in ("reward_vs_wall.png", "reward_vs_step.png", "accuracy_vs_wall.png", "time_breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
 

@@ -34,3 +34,20 @@ def test_summary_reads_the_phases_of_each_weight_sync_span(tmp_path):
     assert summary.push_phases_s["load"] == pytest.approx(0.08)
     assert summary.push_phases_s["unaccounted"] == pytest.approx(0.01)
     assert summary.to_dict()["push_phases_s"] == summary.push_phases_s  # what the API serves
+
+
+def test_time_to_target_reads_the_first_wall_time_at_the_accuracy_every_schedule_reached():
+    from miles_control.bench import time_to_target_table
+    from miles_control.summary import RunSummary, time_to_accuracy
+
+    def run(schedule: str, curve: list[tuple[float, float]]) -> RunSummary:
+        return RunSummary(job_id=1, status="succeeded", schedule=schedule, num_steps=3, wall_s=60.0, samples=1,
+                          tokens=1.0, accuracy_by_wall=curve)  # fmt: skip
+
+    assert time_to_accuracy([(0.0, 0.4), (20.0, 0.5), (40.0, 0.6)], 0.5) == 20.0
+    assert time_to_accuracy([(0.0, 0.4)], 0.5) is None
+    sync = run("sync", [(0.0, 0.40), (30.0, 0.48), (60.0, 0.55)])
+    fast = run("fully_async", [(0.0, 0.40), (20.0, 0.50), (45.0, 0.52)])
+    table = "\n".join(time_to_target_table([sync, fast]))
+    assert "held-out accuracy 0.520" in table  # the lower of the two best accuracies
+    assert "| sync | 60.0 | 1.00 |" in table and "| fully_async | 45.0 | 0.75 |" in table

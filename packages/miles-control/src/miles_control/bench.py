@@ -23,7 +23,7 @@ from pathlib import Path
 from miles_control.config import SCHEDULES, FullyAsyncSchedule, JobSpec, as_schedule
 from miles_control.reports import bench_url
 from miles_control.store import Store
-from miles_control.summary import RunSummary, summarize
+from miles_control.summary import RunSummary, summarize, time_to_accuracy
 
 SCHEDULE_TYPES = tuple(SCHEDULES)
 
@@ -62,16 +62,17 @@ def plot(summaries: list[RunSummary], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     files = []
-    for name, key, xlabel in (
-        ("reward_vs_wall.png", "reward_by_wall", "wall time since the first step (s)"),
-        ("reward_vs_step.png", "reward_by_step", "step"),
+    for name, key, xlabel, ylabel in (
+        ("reward_vs_wall.png", "reward_by_wall", "wall time since the first step (s)", "mean rollout reward"),
+        ("reward_vs_step.png", "reward_by_step", "step", "mean rollout reward"),
+        ("accuracy_vs_wall.png", "accuracy_by_wall", "wall time since the first step (s)", "held-out accuracy"),
     ):
         fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
         for s in summaries:
             points = getattr(s, key)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=s.schedule)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("mean rollout reward")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -125,6 +126,32 @@ def push_breakdown_table(summaries: list[RunSummary]) -> list[str]:
         latency = f"{mean * 1000:.1f}" if mean is not None else ""
         lines.append(f"| {s.schedule} | {len(s.weight_sync_s)} | {latency} | " + " | ".join(cells) + " |")
     return lines
+
+
+def time_to_target_table(summaries: list[RunSummary]) -> list[str]:
+    """Held-out accuracy against wall time: the time each schedule took to first reach the highest accuracy that
+    every schedule reached, and that time over sync's."""
+    reached = [max((a for _, a in s.accuracy_by_wall), default=None) for s in summaries]
+    lines = ["", "## Time to target accuracy", ""]
+    if any(r is None for r in reached):
+        return lines + ["Not every schedule evaluated held-out accuracy (`rollout.eval.every_steps`).", ""]
+    target = min(r for r in reached if r is not None)
+    times = [time_to_accuracy(s.accuracy_by_wall, target) for s in summaries]
+    base = times[0]
+    lines += [
+        f"Target: held-out accuracy {target:.3f}, the highest that every schedule reached (first "
+        f"{summaries[0].accuracy_by_wall[0][1]:.3f}). Wall time from the first step's start to the end of the step "
+        "whose evaluation first reached it; the accuracy is measured every `rollout.eval.every_steps` steps, so the "
+        "times are as coarse as that. ![accuracy against wall time](accuracy_vs_wall.png)",
+        "",
+        "| schedule | s to target | vs sync | held-out accuracy by wall time (s: accuracy) |",
+        "|---|---|---|---|",
+    ]
+    for s, t in zip(summaries, times, strict=True):
+        curve = ", ".join(f"{wall:.0f}: {acc:.3f}" for wall, acc in s.accuracy_by_wall)
+        ratio = f"{t / base:.2f}" if t is not None and base else ""
+        lines.append(f"| {s.schedule} | {t:.1f} | {ratio} | {curve} |" if t is not None else f"| {s.schedule} |")
+    return lines + [""]
 
 
 def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -> str:
@@ -206,6 +233,7 @@ def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -
             )
         )
     lines += push_breakdown_table(summaries)
+    lines += time_to_target_table(summaries)
     all_steps = [k for k, _ in base.reward_by_step]
     shown = all_steps[:: max(1, -(-len(all_steps) // 10))][:10]  # at most 10 columns, evenly spaced
     lines += ["", "## Reward", "", *[f"![{p}]({p})" for p in plots], ""]

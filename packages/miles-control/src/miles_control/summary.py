@@ -61,6 +61,8 @@ class RunSummary:
     eval_accuracy: list[tuple[int, float]] = field(default_factory=list)
     reward_by_step: list[tuple[int, float]] = field(default_factory=list)
     reward_by_wall: list[tuple[float, float]] = field(default_factory=list)  # seconds since the first step
+    # held-out accuracy at the end of the step it was measured at (step 0: before training, at 0 s)
+    accuracy_by_wall: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def samples_per_s(self) -> float:
@@ -186,4 +188,11 @@ def summarize(store: Store, job_id: int) -> RunSummary:
     summary.reward_by_step = store.metric_series(job_id, "rollout/reward_mean")
     step_end = {st.step: st.ended_at - lo for st in steps}
     summary.reward_by_wall = [(step_end[k], v) for k, v in summary.reward_by_step if k in step_end]
+    step_end[0] = 0.0
+    summary.accuracy_by_wall = [(step_end[k], v) for k, v in summary.eval_accuracy if k in step_end]
     return summary
+
+
+def time_to_accuracy(points: list[tuple[float, float]], target: float) -> float | None:
+    """The first wall time (s since the first step) at which held-out accuracy reached `target`; None if never."""
+    return next((wall for wall, accuracy in sorted(points) if accuracy >= target), None)

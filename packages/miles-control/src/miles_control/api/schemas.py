@@ -133,6 +133,9 @@ class RunSummaryPublic(BaseModel):
     eval_accuracy: list[tuple[int, float]]
     reward_by_step: list[tuple[int, float]]
     reward_by_wall: list[tuple[float, float]]
+    accuracy_by_wall: list[tuple[float, float]] = Field(
+        default_factory=list, description="(s since the first step, held-out accuracy) at the end of each eval's step."
+    )
     samples_per_s: float
     tokens_per_s: float
     ideal_wall_s: float = Field(description="max(rollout busy, trainer busy): the wall time of a perfect overlap.")
