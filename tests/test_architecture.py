@@ -168,3 +168,96 @@ def test_the_dashboard_talks_to_the_api_only():
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]", f"importing the API client loads {loaded}"
+
+
+def test_every_backend_folder_has_the_same_file_set():
+    """Each trainer backend is laid out as torchtitan's model folders are: `backend.py` (the TrainerBackend),
+    `convert.py` (HF ⇄ the framework's names and layouts), `parallelize.py` (the parallel layout, the only
+    file that calls the framework's sharding / model-parallel APIs), and `cpu.py` where the framework needs
+    adjustments to run without a GPU."""
+    backends = ROOT / "packages" / "miles-train" / "src" / "miles_train" / "backends"
+    folders = sorted(p for p in backends.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert {f.name for f in folders} == {"fsdp2", "megatron", "torchtitan"}
+    parallel_apis = {"fully_shard", "initialize_model_parallel", "DistributedDataParallel", "parallelize_qwen3",
+                     "ParallelDims"}  # fmt: skip
+    for folder in folders:
+        files = {p.name for p in folder.glob("*.py")}
+        assert {"__init__.py", "backend.py", "convert.py", "parallelize.py"} <= files, (folder.name, files)
+        assert files <= {"__init__.py", "backend.py", "convert.py", "parallelize.py", "cpu.py"}, (folder.name, files)
+        for path in folder.glob("*.py"):
+            if path.name != "parallelize.py":
+                names = set()
+                for node in ast.walk(ast.parse(path.read_text())):
+                    if isinstance(node, ast.Name):
+                        names.add(node.id)
+                    elif isinstance(node, ast.Attribute):
+                        names.add(node.attr)
+                    elif isinstance(node, ast.alias):
+                        names.add(node.name.split(".")[-1])
+                assert not names & parallel_apis, f"{path.relative_to(ROOT)} uses {names & parallel_apis}"
+
+
+# Where no transport may be named (issue 18): the engines and the runtime reach every transport through
+# miles_sync's registry (`receive`, `build_sender`, `needs_receiver_ranks`), so adding one edits miles_sync only.
+TRANSPORT_FREE = [
+    ROOT / "packages/miles-rollout/src/miles_rollout/engines",
+    ROOT / "packages/miles-rollout/src/miles_rollout/manager.py",
+    ROOT / "packages/miles-rollout/src/miles_rollout/protocol.py",
+    ROOT / "packages/miles-control/src/miles_control/runtime",
+]
+
+
+def transport_conditionals(path: Path, names: set[str]) -> list[str]:
+    """Lines of `path` that name a transport in code (a string literal other than a docstring), compare a
+    `.transport`, or import a transport module."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings:
+            found.append(f"{path.name}:{node.lineno}: the string {node.value!r}")
+        elif isinstance(node, ast.Compare) and any(
+            isinstance(n, ast.Attribute) and n.attr == "transport" for n in [node.left, *node.comparators]
+        ):
+            found.append(f"{path.name}:{node.lineno}: compares .transport")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("miles_sync.transports"):
+            found.append(f"{path.name}:{node.lineno}: imports {node.module}")
+        elif isinstance(node, ast.Import) and any(a.name.startswith("miles_sync.transports") for a in node.names):
+            found.append(f"{path.name}:{node.lineno}: imports a transport module")
+    return found
+
+
+def test_engines_and_runtime_have_no_transport_conditionals():
+    from miles_sync import TRANSPORTS
+
+    names = set(TRANSPORTS) | {"p2p"}
+    files = [f for root in TRANSPORT_FREE for f in ([root] if root.is_file() else sorted(root.rglob("*.py")))]
+    assert len(files) > 10, "the folders checked moved: update TRANSPORT_FREE"
+    found = [line for f in files for line in transport_conditionals(f, names)]
+    assert not found, "transport-specific code outside miles_sync:\n" + "\n".join(found)
+
+
+def test_the_transport_check_finds_a_conditional(tmp_path):
+    """The check above is not vacuous: it flags each form of transport-specific code."""
+    sample = tmp_path / "engine.py"
+    sample.write_text(
+        '"""Loads "disk" pushes."""\n'
+        "from miles_sync.transports.disk import read\n"
+        "def load(handle):\n"
+        '    """tensor"""\n'
+        '    if handle.transport == "broadcast":\n'
+        "        pass\n"
+    )
+    found = transport_conditionals(sample, {"disk", "tensor", "broadcast"})
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "imports miles_sync.transports.disk",
+        "compares .transport",
+        "the string 'broadcast'",
+    ]

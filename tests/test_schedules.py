@@ -57,6 +57,9 @@ def test_one_step_off_overlaps_and_stays_one_version_behind(tmp_path):
     assert overlap > 0, "generation of step k+1 never ran while step k trained"
     syncs = store.spans(1, "weight_sync")
     assert all(s.attrs["trainer_fingerprint"] == s.attrs["engine_fingerprint"] for s in syncs)
+    for s in syncs:  # where each push's time went; the hf engine has no servers to pause or check
+        assert set(s.attrs["phases"]) == {"export", "handoff", "pause", "load", "resume"}, s.attrs["phases"]
+        assert 0 < sum(s.attrs["phases"].values()) <= s.end - s.start + 0.01, (s.attrs["phases"], s.end - s.start)
 
 
 @pytest.mark.sglang

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -69,10 +70,16 @@ print(json.dumps({
 
 
 def test_the_dashboard_wheel_alone_in_a_fresh_venv(tmp_path):
+    # Built from copies without the trees' build/ folders: setuptools would reuse what they hold, so a module
+    # deleted from the source could still ship and this test not see it.
+    sources = []
+    for project in (ROOT / "packages" / "miles-control", ROOT / "apps" / "dashboard"):
+        sources.append(tmp_path / "src" / project.name)
+        shutil.copytree(project, sources[-1], ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     wheels = tmp_path / "wheels"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-         str(ROOT / "packages" / "miles-control"), str(ROOT / "apps" / "dashboard")],
+         *map(str, sources)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     venv = tmp_path / "venv"

@@ -98,10 +98,12 @@ PUSH_COLUMNS = (
     ("handoff", "hand-off"),
     ("pause", "pause"),
     ("pause/probe_wait", "of which waiting for a probe"),
+    ("pause/servers", "of which pausing servers"),
     ("load", "load"),
     ("load/verify", "of which server check"),
     ("resume", "resume"),
     ("check", "check after resume"),
+    ("roll_back", "roll-back"),
     ("unaccounted", "unaccounted"),
 )
 

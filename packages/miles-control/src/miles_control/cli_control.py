@@ -93,7 +93,7 @@ def dashboard(
     import sys
 
     if importlib.util.find_spec("miles_dashboard") is None:
-        _fail('the dashboard is not installed: pip install "miles-control[dashboard]" (or ./apps/dashboard)', 2)
+        _fail("the dashboard is not installed: pip install ./apps/dashboard (from a Miles checkout)", 2)
     cmd = [sys.executable, "-m", "miles_dashboard", "--api", api, "--host", host, "--port", str(port)]
     sys.stdout.flush()
     sys.stderr.flush()

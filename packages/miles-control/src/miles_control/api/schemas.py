@@ -127,8 +127,9 @@ class RunSummaryPublic(BaseModel):
     weight_sync_s: list[float]
     push_phases_s: dict[str, float] = Field(
         default_factory=dict,
-        description="Mean seconds per weight push in each phase (export, handoff, pause, load, resume; "
-        "'pause/probe_wait' and 'load/verify' are parts of theirs) and 'unaccounted'.",
+        description="Mean seconds per weight push in each phase (export, handoff, pause, load, resume, check, "
+        "roll_back; a name with a '/', such as 'pause/probe_wait', 'pause/servers' or 'load/verify', is part of "
+        "another phase) and 'unaccounted'.",
     )
     eval_accuracy: list[tuple[int, float]]
     reward_by_step: list[tuple[int, float]]

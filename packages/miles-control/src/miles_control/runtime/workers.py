@@ -48,7 +48,7 @@ class Received(Timed):
     paused_s: float = 0.0  # how long generation stood still: the load (and the check, or a roll-back)
     check_failure: str | None = None  # sync.check_after_resume: why the engine's check failed
     rolled_back_to: int | None = None  # ... and the version the engine went back to
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the push (PUSH_PHASES)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the push (summary.push_breakdown)
 
 
 @dataclass
@@ -385,6 +385,9 @@ class RolloutWorker:
         held before (paused again for that)."""
         start = time.time()
         phases: dict[str, float] = {}
+        inside = getattr(self.engine, "push_phases", None)  # an engine that times the inside of its phases
+        if inside is not None:
+            inside.clear()  # summed over this push's pauses (a roll-back pauses again)
 
         def timed(phase: str, began: float) -> float:
             now = time.time()
@@ -427,8 +430,7 @@ class RolloutWorker:
                         f"and rolling the engine back failed too: {type(exc).__name__}: {exc}"
                     ) from exc
                 paused_s += time.time() - back
-        # an engine that times the inside of its phases says so (SGLang: waiting for a probe, the server check)
-        phases |= getattr(self.engine, "push_phases", {})
+        phases |= inside or {}  # SGLang: waiting for a health probe, pausing the servers, the server check
         return Received(
             start, time.time(), fingerprint, self.engine.weight_version, paused_s, failure, rolled_back_to, phases
         )

@@ -164,11 +164,14 @@ class SGLangEngine:
 
     async def pause(self, mode: PauseMode = "in_place") -> None:
         """Stop new calls; pause (with `mode`) the servers that have requests in flight."""
-        self.push_phases = {}
         began = time.time()
         self._pause.pause(mode)
-        self.push_phases["pause/probe_wait"] = self._pause.probe_wait_s
-        self.push_phases["pause/servers"] = time.time() - began - self._pause.probe_wait_s
+        self._add_phase("pause/probe_wait", self._pause.probe_wait_s)
+        self._add_phase("pause/servers", time.time() - began - self._pause.probe_wait_s)
+
+    def _add_phase(self, phase: str, seconds: float) -> None:
+        """Time inside a push's phase, summed until the rollout worker clears `push_phases` for the next push."""
+        self.push_phases[phase] = self.push_phases.get(phase, 0.0) + seconds
 
     async def resume(self) -> None:
         self._pause.resume()
@@ -216,7 +219,7 @@ class SGLangEngine:
                     began = time.time()
                     for slot in [s for s in self.slots if s.admitted]:
                         self._weights.verify(slot, self._weight_version)
-                    self.push_phases["load/verify"] = time.time() - began
+                    self._add_phase("load/verify", time.time() - began)
             except BaseException as exc:
                 if self._weights.previous is not None:  # the version was taken: the one before is current again
                     self._weights.take_previous()
