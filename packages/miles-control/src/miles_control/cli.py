@@ -370,7 +370,10 @@ def _keep_report(kind: str, out: Path, text: str, job_ids: list[int], url: str) 
     from sqlalchemy.engine import make_url
 
     shown = make_url(url).render_as_string(hide_password=True)  # a PostgreSQL password is not printed
-    console.print(f"report: {out / 'report.md'}; stored as report {report_id} in {shown}", highlight=False)
+    # one line however narrow the terminal (or none, in a log): paths are copied from it
+    console.print(
+        f"report: {out / 'report.md'}; stored as report {report_id} in {shown}", highlight=False, soft_wrap=True
+    )
 
 
 def print_summary(store, job_id: int) -> None:

@@ -4,6 +4,7 @@ elsewhere when its server fails or is quarantined while it runs."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
@@ -85,6 +86,7 @@ class Dispatcher:
             try:
                 results = await self._generate_on(client, slot, sampling, requests)
                 slot.served += 1
+                slot.answered_at = time.monotonic()
                 return results
             except httpx.TransportError as exc:  # connection refused or reset: the server is gone
                 self.router.quarantine(slot, f"/generate failed: {type(exc).__name__}: {exc}")

@@ -41,7 +41,9 @@ class PauseControl:
         running (its health probe), and its prefix cache can be flushed."""
         busy = [s for s in self.slots if s.outstanding > 0 and (s.server is None or s.server.alive())]
         began = time.monotonic()
-        self.router.hold(wait_for_probe=bool(busy))
+        # A probe still queued in a paused server keeps SGLang from flushing the cache after the load; an in_place
+        # pause does not flush then (its requests keep their cache: see cache_flush_flag), so it need not wait.
+        self.router.hold(wait_for_probe=bool(busy) and mode != "in_place")
         self.probe_wait_s = time.monotonic() - began
         self.mode = mode
         for slot in busy:

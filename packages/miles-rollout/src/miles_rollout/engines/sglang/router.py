@@ -39,6 +39,7 @@ class Slot:
     restarts: int = 0
     stale_cache: bool = False  # holds prefix-cache entries of an older weight version
     served: int = 0  # generate calls completed
+    answered_at: float = 0.0  # time.monotonic() of its last answered generate call
     paused: bool = False  # paused by the engine for a weight push (it had requests in flight)
     events: list[str] = field(default_factory=list)
 
@@ -130,6 +131,8 @@ class Router:
         for slot in self.slots:
             if self._stop.is_set() or self.paused:
                 return
+            if self._answering(slot):
+                continue  # busy and answering: its answers prove its health, and a probe would cost a push
             epoch = self._epoch
             with self._probing:
                 if self.paused:
@@ -144,6 +147,18 @@ class Router:
                     self._try_recover(slot, problem)
                 finally:
                     self._busy.release()
+
+    def _answering(self, slot: Slot) -> bool:
+        """An admitted server with calls in flight that answered one within the health interval needs no probe.
+
+        SGLang answers `/health_generate` no sooner than a second after it arrives, and a weight push that pauses
+        busy servers may wait for a probe in progress (see `hold`): under an asynchronous schedule, where servers
+        are always busy, probing them cost a push 75-175 ms on average (docs/results.md). A server that stops answering
+        is probed again once the interval has passed without an answer; one whose process exits is probed (and
+        found dead) at once."""
+        alive = slot.server is None or slot.server.alive()
+        recent = time.monotonic() - slot.answered_at < self._interval
+        return slot.admitted and alive and slot.outstanding > 0 and recent
 
     def _try_recover(self, slot: Slot, problem: str | None) -> None:
         dead = slot.server is not None and not slot.server.alive()
