@@ -14,41 +14,14 @@ import os
 import re
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
+
+from miles_control.testing import link_distributions, requirement_closure
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def closure(names: list[str]) -> set[str]:
-    """The distributions `names` require, transitively (no extras), by their installed metadata."""
-    seen: set[str] = set()
-    todo = list(names)
-    while todo:
-        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
-        if name in seen:
-            continue
-        seen.add(name)
-        for spec in metadata.distribution(name).requires or []:
-            requirement = Requirement(spec)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                todo.append(requirement.name)
-    return seen
-
-
-def link_distributions(names: set[str], site: Path) -> None:
-    """Symlink every top-level entry (packages, modules, .dist-info) of each distribution into `site`."""
-    for name in names:
-        dist = metadata.distribution(name)
-        base = Path(dist.locate_file(""))
-        for entry in {Path(str(f)).parts[0] for f in dist.files or []}:
-            source, target = base / entry, site / entry
-            if source.exists() and not target.exists() and not entry.startswith(".."):
-                target.symlink_to(source)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +69,7 @@ def test_a_package_alone_runs_its_example_outside_the_repository(tmp_path, tiny_
         ).stdout.strip()
     )  # fmt: skip
     ours = {"miles-sync", package}
-    link_distributions(closure([package]) - ours, site)
+    link_distributions(requirement_closure([package]) - ours, site)
     # Install the two wheels with this environment's pip into the venv's site-packages (non-editable copies).
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site),

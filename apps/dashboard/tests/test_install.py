@@ -11,46 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
+
+from miles_control.testing import link_distributions, requirement_closure
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
 OURS = {"miles-dashboard", "miles-control"}
-
-
-def closure(names: list[str]) -> set[str]:
-    """The distributions `names` require, transitively (no extras), by their installed metadata."""
-    seen: set[str] = set()
-    todo = list(names)
-    while todo:
-        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
-        if name in seen:
-            continue
-        seen.add(name)
-        for spec in metadata.distribution(name).requires or []:
-            requirement = Requirement(spec)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                todo.append(requirement.name)
-    return seen
-
-
-def link_distributions(names: set[str], site: Path) -> None:
-    """Symlink every top-level entry (packages, modules, .dist-info) of each distribution into `site`."""
-    for name in names:
-        dist = metadata.distribution(name)
-        base = Path(dist.locate_file(""))
-        for entry in {Path(str(f)).parts[0] for f in dist.files or []}:
-            source, target = base / entry, site / entry
-            if source.exists() and not target.exists() and not entry.startswith(".."):
-                target.symlink_to(source)
 
 
 SIGN_IN = """
@@ -91,7 +63,7 @@ def test_the_dashboard_wheel_alone_in_a_fresh_venv(tmp_path):
             check=True, capture_output=True, text=True,
         ).stdout.strip()
     )  # fmt: skip
-    third_party = closure(["miles-dashboard"]) - OURS
+    third_party = requirement_closure(["miles-dashboard"]) - OURS
     assert not third_party & {"torch", "ray", "transformers", "sqlalchemy", "miles-sync", "miles-rollout"}, third_party
     link_distributions(third_party, site)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PIP_FIND_LINKS")}

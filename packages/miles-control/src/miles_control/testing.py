@@ -159,3 +159,39 @@ def ray_cluster_with_dashboard(workdir: Path, num_cpus: int = 2) -> Iterator[str
 
         kill_process_group(proc.pid)
         forget_ray_cluster(f"127.0.0.1:{port}")
+
+
+def requirement_closure(names: list[str]) -> set[str]:
+    """The distributions `names` require, transitively (no extras), by this environment's installed metadata:
+    what a fresh environment holding only them would need."""
+    import re
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        for spec in metadata.distribution(name).requires or []:
+            requirement = Requirement(spec)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return seen
+
+
+def link_distributions(names: set[str], site: Path) -> None:
+    """Symlink every top-level entry (packages, modules, .dist-info) of each installed distribution into `site`,
+    the site-packages of a fresh venv: a venv of exactly those distributions without copying gigabytes."""
+    from importlib import metadata
+
+    for name in names:
+        dist = metadata.distribution(name)
+        base = Path(str(dist.locate_file("")))
+        for entry in {Path(str(f)).parts[0] for f in dist.files or []}:
+            source, target = base / entry, site / entry
+            if source.exists() and not target.exists() and not entry.startswith(".."):
+                target.symlink_to(source)

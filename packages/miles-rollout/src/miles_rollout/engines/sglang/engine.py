@@ -213,7 +213,10 @@ class SGLangEngine:
             held = self._weight_version
             self._previous_version = None
             try:
+                self._weights.timing = {}
                 self._weights.load(handle, self._delta_base)
+                for part, seconds in self._weights.timing.items():
+                    self._add_phase(f"load/{part}", seconds)
                 self._weight_version = handle.weight_version
                 if self._server_check and not check_later:
                     began = time.time()

@@ -14,6 +14,7 @@ transport a handle came from:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -67,6 +68,7 @@ class WeightLoader:
         self.pieces: dict | None = None  # of the last push: the row ranges its senders held (several senders)
         self.held_version = 0  # what the servers hold before a load (a delta push must be based on it)
         self.servers_touched = False  # set by each load: whether a server was asked to load part of it
+        self.timing: dict[str, float] = {}  # seconds in the parts of the last load (disk: read, servers, take)
         self.previous: tuple | None = None  # (tensors, wire dtype, pieces) of the version a load replaced, for
         # roll_back() and for taking it back when the check after a load fails; dropped by the next load
         self._pinned: dict[int, list[str]] = {}  # per server that failed a load: shared files it may still map
@@ -204,7 +206,9 @@ class WeightLoader:
 
     def load_folder(self, handle: DiskHandle, buckets: Buckets) -> None:
         """`/update_weights_from_disk` on the published folder; this process reads it for the check."""
+        began = time.perf_counter()
         tensors = self._checked(handle, [pair for bucket in buckets for pair in bucket])
+        self.timing = {"read": time.perf_counter() - began}
         body = {
             "model_path": handle.location,
             "weight_version": str(handle.weight_version),
@@ -215,8 +219,12 @@ class WeightLoader:
             self.calls.post(slot.url, "/update_weights_from_disk", {**body, **self._parts()[1].cache_flush_flag(slot)})
 
         self.servers_touched = True
+        began = time.perf_counter()
         on_admitted(self.slots, self._parts()[0], load, "disk update")
+        self.timing["servers"] = time.perf_counter() - began
+        began = time.perf_counter()
         self._take(handle, tensors)
+        self.timing["take"] = time.perf_counter() - began
 
     def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:
         """Hand the tensors to every server as shared-memory handles, bucket by bucket as the transport delivers
