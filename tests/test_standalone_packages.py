@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.testing import link_distributions, requirement_closure
+from miles_control.testing import fresh_venv, link_distributions, requirement_closure
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -60,14 +60,7 @@ def test_a_package_alone_runs_its_example_outside_the_repository(tmp_path, tiny_
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    site = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True,
-        ).stdout.strip()
-    )  # fmt: skip
+    python, site = fresh_venv(venv, with_pip=False)
     ours = {"miles-sync", package}
     link_distributions(requirement_closure([package]) - ours, site)
     # Install the two wheels with this environment's pip into the venv's site-packages (non-editable copies).

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.testing import link_distributions, requirement_closure
+from miles_control.testing import fresh_venv, link_distributions, requirement_closure
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
@@ -55,14 +55,7 @@ def test_the_dashboard_wheel_alone_in_a_fresh_venv(tmp_path):
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)  # with pip: it resolves below
-    python = venv / "bin" / "python"
-    site = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True,
-        ).stdout.strip()
-    )  # fmt: skip
+    python, site = fresh_venv(venv, with_pip=True)  # its pip resolves the dependencies below
     third_party = requirement_closure(["miles-dashboard"]) - OURS
     assert not third_party & {"torch", "ray", "transformers", "sqlalchemy", "miles-sync", "miles-rollout"}, third_party
     link_distributions(third_party, site)

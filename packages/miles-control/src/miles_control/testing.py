@@ -195,3 +195,14 @@ def link_distributions(names: set[str], site: Path) -> None:
             source, target = base / entry, site / entry
             if source.exists() and not target.exists() and not entry.startswith(".."):
                 target.symlink_to(source)
+
+
+def fresh_venv(folder: Path, with_pip: bool) -> tuple[Path, Path]:
+    """A new venv in `folder` (with pip only when asked: ensurepip costs seconds): its python and its
+    site-packages folder."""
+    args = [sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(folder)]
+    subprocess.run(args, check=True)
+    python = folder / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = subprocess.run([str(python), "-c", purelib], check=True, capture_output=True, text=True).stdout.strip()
+    return python, Path(site)
