@@ -213,3 +213,20 @@ def test_disk_compression_bench_reports_plain_and_zstd_whole_and_delta(tmp_path)
     assert set(ratio) == {(c, p) for c in ("none", "zstd") for p in ("whole", "delta")}
     assert ratio["none", "whole"] == 1.0 and ratio["none", "delta"] == pytest.approx(0.5, abs=0.01)  # half moved
     assert ratio["zstd", "whole"] < 0.85 and ratio["zstd", "delta"] < 0.5  # byte-shuffled bf16 compresses
+
+
+@pytest.mark.extended  # a measurement for the docs (docs/results.md, schedules); the phases it reads are checked in
+@pytest.mark.sglang  # tests/test_schedules.py on every push of a fully_async job
+def test_paused_load_bench_reports_each_scenario(tmp_path):
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    out = tmp_path / "report.md"
+    args = [sys.executable, str(ROOT / "bench" / "paused_load.py"), "--pushes", "2", "--out", str(out)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [
+        line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| idle") or "paused" in line
+    ]
+    assert len(rows) == 3, out.read_text()
+    for row in rows:
+        pause, load, verify = (float(c) for c in row[2:5])
+        assert load > 0 and verify > 0 and pause >= 0, row

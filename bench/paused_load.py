@@ -1,0 +1,124 @@
+"""What a weight load costs an SGLang server that is paused with requests in flight, against an idle one, and
+whether the server's processes having a core to themselves changes it (issue 43, item 3).
+
+One SGLang server (CPU recipe) on a random model of the demo's size; the `disk` transport. Each scenario pushes
+`--pushes` versions and reports the median of the engine's push phases (`pause/servers`, `load/servers`,
+`load/verify`, ms):
+
+- idle: nothing in flight (what a push under `sync` sees);
+- paused, one core: a batch of requests decoding, paused `in_place` for the push; the server's processes and this
+  process share core 1 (what `ray.cpu_split` gives the rollout side on a 2-core machine);
+- paused, two cores: the same, with the server's processes allowed on both cores.
+
+    .venv/bin/python bench/paused_load.py [--pushes 8] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from common import build_model
+
+PHASES = ("pause/servers", "load/servers", "load/verify")
+
+
+def pin(engine, cores: set[int]) -> None:
+    """Pin every process of the engine's servers (launcher, scheduler, detokenizer) to `cores`."""
+    for slot in engine.slots:
+        root = psutil.Process(slot.server.process.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            os.sched_setaffinity(proc.pid, cores)
+
+
+def push_once(engine, sender, params, version: int, busy: bool) -> dict[str, float]:
+    from miles_rollout import GenerateRequest, SamplingParams
+
+    done = threading.Event()
+
+    def generate() -> None:
+        sampling = SamplingParams(max_new_tokens=200, ignore_eos=True, temperature=1.0)
+        requests = [GenerateRequest([3 + i % 10, 13, 4 + i % 7, 16], sampling, f"v{version}-{i}") for i in range(256)]
+        asyncio.run(engine.generate(requests))
+        done.set()
+
+    if busy:
+        threading.Thread(target=generate, daemon=True).start()
+        deadline = time.time() + 30
+        while not any(s.outstanding for s in engine.slots) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # decoding is under way
+    handle = sender.publish([(n, p + version * 1e-3) for n, p in params], version)
+    engine.push_phases.clear()
+    asyncio.run(engine.pause("in_place"))
+    try:
+        engine.receive(handle)
+    finally:
+        asyncio.run(engine.resume())
+    phases = dict(engine.push_phases)
+    if busy:
+        done.wait(120)
+    return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pushes", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles_rollout import build_engine
+    from miles_rollout.config import SGLangEngineConfig
+    from miles_sync import DiskSync, build_sender
+
+    work = Path(tempfile.mkdtemp(prefix="miles-paused-load-"))
+    model_dir = build_model(work / "model", hidden=128, layers=4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    engine = build_engine(SGLangEngineConfig(type="sglang", num_engines=1), model_dir, seed=0)
+    sender = build_sender(DiskSync(dir=str(work / "weights")))
+    cores = os.sched_getaffinity(0)
+    rollout_core = {max(cores)}
+    rows, version = [], 0
+    try:
+        for name, busy, server_cores in (
+            ("idle (as under sync)", False, rollout_core),
+            ("paused with requests in flight, one core", True, rollout_core),
+            ("paused with requests in flight, two cores", True, cores),
+        ):
+            os.sched_setaffinity(0, rollout_core)
+            pin(engine, server_cores)
+            measured = []
+            for _ in range(args.pushes):
+                version += 1
+                measured.append(push_once(engine, sender, params, version, busy))
+            medians = [statistics.median(m.get(p, 0.0) for m in measured) * 1000 for p in PHASES]
+            rows.append(f"| {name} | {len(server_cores)} | " + " | ".join(f"{v:.1f}" for v in medians) + " |")
+    finally:
+        sender.close()
+        engine.shutdown()
+    text = "\n".join(
+        [
+            "| scenario | server cores | pause/servers ms | load/servers ms | load/verify ms |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+            f"Median of {args.pushes} pushes each; {os.cpu_count()} CPU cores; this process on core {max(cores)}.",
+        ]
+    )
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
