@@ -94,11 +94,16 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     spec.fill(preset.replace("schedule:\n", "schedule:\n  max_stalenes: 2\n", 1))
     page.get_by_role("button", name="Validate").click()
     wait_text(page, "did you mean 'max_staleness'")
-    style = spec.evaluate(
+    # The gutter's <style> is an element of its own, re-rendered after the error on each rerun: wait for it.
+    computed = (
         "t => { const c = getComputedStyle(t); return [c.paddingLeft, c.whiteSpace, c.backgroundAttachment, "
         "c.backgroundImage.slice(0, 30)]; }"
     )
-    assert style == ["44px", "pre", "local", 'url("data:image/svg+xml;base64'], style
+    expected = ["44px", "pre", "local", 'url("data:image/svg+xml;base64']
+    deadline = time.monotonic() + 30
+    while (style := spec.evaluate(computed)) != expected and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert style == expected, style
     spec.scroll_into_view_if_needed()
     shot(page, "1b-launch-refused")
     spec.fill(preset)
