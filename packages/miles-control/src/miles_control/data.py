@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import glob
+from pathlib import Path
+from typing import Any
+
+from miles_control.hub import HubError, snapshot
 from miles_rollout.config import DataConfig
-from miles_rollout.data import PromptDataError, load_prompts
+from miles_rollout.data import PromptDataError, load_prompts, records_from_rows
 from miles_rollout.tasks.arithmetic import split_train_eval
 from miles_rollout.types import PromptRecord
 
@@ -13,7 +18,9 @@ def load_job_prompts(config: DataConfig) -> tuple[list[PromptRecord], list[Promp
     if config.source == "arithmetic":
         return split_train_eval(config.num_train, config.num_eval, config.seed, config.digits, config.operations)
     if config.path is None:
-        raise PromptDataError("data.path: required when data.source is 'file'")
+        raise PromptDataError(f"data.path: required when data.source is {config.source!r}")
+    if config.source == "hf":
+        return load_hf_prompts(config)
     train = load_prompts(config.path, config.prompt_key, config.label_key)
     _check_messages(train, config.path, config.chat_template)
     if config.eval_path is not None:
@@ -37,3 +44,133 @@ def _check_messages(records: list[PromptRecord], path: str, chat_template: str) 
                 f"{path}: prompt {number} is a list of messages; set data.chat_template (model, or a Jinja file) "
                 "to render conversations"
             )
+
+
+# `source: hf` files, by suffix: the `datasets` builder that reads them
+BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+def load_hf_prompts(config: DataConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """`data.source: hf`: (training prompts, held-out prompts) read through the `datasets` library from a Hub id,
+    a local dataset folder or files. The rows become prompt records as a JSONL file's do; the held-out prompts are
+    `eval_split`, an `eval_fraction` of `split` (a seeded shuffle), or its last `num_eval` rows."""
+    assert config.path is not None
+    splits = _open_hf(config)
+    train = _split(splits, config.split, "data.split", config)
+    if config.eval_split is not None:
+        held_out = _split(splits, config.eval_split, "data.eval_split", config)
+    elif config.eval_fraction is not None:
+        parts = train.train_test_split(test_size=config.eval_fraction, seed=config.seed, shuffle=True)
+        if len(parts["test"]) == 0 or len(parts["train"]) == 0:
+            raise PromptDataError(
+                f"data.eval_fraction: {config.eval_fraction} of {len(train)} rows leaves a side empty"
+            )
+        train, held_out = parts["train"], parts["test"]
+    else:
+        if len(train) <= config.num_eval:
+            raise PromptDataError(
+                f"data.num_eval: split {config.split!r} of {config.path} has {len(train)} rows, which cannot spare "
+                f"{config.num_eval} for evaluation; give data.eval_split or data.eval_fraction, or lower data.num_eval"
+            )
+        train, held_out = (
+            train.select(range(len(train) - config.num_eval)),
+            train.select(range(len(train) - config.num_eval, len(train))),
+        )
+    where = f"{config.path}"
+    records = [_records(part, f"{where} [{name}]", config) for part, name in ((train, "train"), (held_out, "eval"))]
+    for part in records:
+        _check_messages(part, where, config.chat_template)
+    return records[0], records[1]
+
+
+def _open_hf(config: DataConfig) -> Any:
+    """The dataset `config.path` names, as a `DatasetDict` of its splits (or one `Dataset`, from `save_to_disk`)."""
+    import datasets
+
+    path = config.path
+    assert path is not None
+    local = Path(path).expanduser()
+    try:
+        if glob.has_magic(path) or local.is_file():
+            files = sorted(glob.glob(str(local))) if glob.has_magic(path) else [str(local)]
+            if not files:
+                raise PromptDataError(f"data.path: no files match {path}")
+            suffixes = {Path(f).suffix for f in files}
+            unknown = suffixes - set(BUILDERS)
+            if unknown or len({BUILDERS[s] for s in suffixes}) != 1:
+                raise PromptDataError(
+                    f"data.path: {path} gives files of type(s) {sorted(suffixes)}; use one of "
+                    f"{', '.join(sorted(BUILDERS))}"
+                )
+            return datasets.load_dataset(BUILDERS[suffixes.pop()], data_files={"train": files})
+        if local.is_dir():
+            if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
+                return datasets.load_from_disk(str(local))
+            return datasets.load_dataset(str(local))
+        if local.is_absolute() or path.startswith((".", "~")):
+            raise PromptDataError(f"data.path: {path} does not exist")
+        from miles_control.config import check_repo_id
+
+        try:
+            check_repo_id(path)
+        except ValueError as exc:
+            raise PromptDataError(f"data.path: {path} is neither a local file or folder nor a Hub id: {exc}") from None
+        folder = snapshot(path, "data.path", repo_type="dataset", revision=config.revision)
+        return datasets.load_dataset(str(folder))
+    except (PromptDataError, HubError):
+        raise
+    except Exception as exc:  # the datasets library raises many types, for files and for layouts
+        import re
+
+        empty = re.match(r'Instruction "([^"]+)" corresponds to no data', str(exc))
+        if empty:  # a split with no rows (datasets refuses the whole dataset then)
+            name = empty.group(1)
+            field = {config.split: "data.split", config.eval_split: "data.eval_split"}.get(name, "data.path")
+            raise PromptDataError(f"{field}: split {name!r} of {path} is empty") from None
+        raise PromptDataError(
+            f"data.path: {path}: the datasets library cannot read it: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _split(splits: Any, name: str, field: str, config: DataConfig) -> Any:
+    import datasets
+
+    if isinstance(splits, datasets.Dataset):  # save_to_disk of one split
+        if name != "train":
+            raise PromptDataError(f"{field}: {config.path} holds one split, not a split named {name!r}")
+        part = splits
+    elif name not in splits:
+        raise PromptDataError(f"{field}: {config.path} has no split {name!r} (its splits: {', '.join(splits)})")
+    else:
+        part = splits[name]
+    if config.map is not None:
+        part = _apply_map(part, config.map)
+    if len(part) == 0:
+        raise PromptDataError(f"{field}: split {name!r} of {config.path} is empty")
+    columns = set(part.column_names)
+    for key_field in ("prompt_key", "label_key"):
+        key = getattr(config, key_field)
+        if key not in columns:
+            raise PromptDataError(
+                f"data.{key_field}: no column {key!r} in split {name!r} of {config.path} (its columns: "
+                f"{', '.join(sorted(columns))})"
+            )
+    return part
+
+
+def _apply_map(part: Any, path: str) -> Any:
+    from miles_rollout.plugins import resolve_dotted
+
+    try:
+        function = resolve_dotted(path)
+    except Exception as exc:
+        raise PromptDataError(f"data.map: cannot load {path!r}: {exc}") from exc
+    try:
+        return part.map(function, load_from_cache_file=False, desc=None)
+    except Exception as exc:
+        raise PromptDataError(f"data.map: {path} failed on a row: {type(exc).__name__}: {exc}") from exc
+
+
+def _records(part: Any, source: str, config: DataConfig) -> list[PromptRecord]:
+    rows = ((f"row {i}", row) for i, row in enumerate(part, start=1))
+    return records_from_rows(rows, source, config.prompt_key, config.label_key)

@@ -1,18 +1,23 @@
-"""Writes spans, metrics and events of one job to the store as they happen."""
+"""Writes spans, metrics and events of one job to the store as they happen, and hands metrics and span durations
+to the job's experiment trackers (miles_control.tracking) beside it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_control.store import Store
 
+if TYPE_CHECKING:
+    from miles_control.tracking import Trackers
+
 
 class Recorder:
-    def __init__(self, store: Store, job_id: int) -> None:
+    def __init__(self, store: Store, job_id: int, trackers: Trackers | None = None) -> None:
         self.store = store
         self.job_id = job_id
+        self.trackers = trackers
 
     def span(
         self,
@@ -40,9 +45,13 @@ class Recorder:
                 )
             ],
         )
+        if self.trackers is not None:
+            self.trackers.log(step, {f"time/{stage}_s": end - start})
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.store.add_metrics(self.job_id, step, metrics)
+        if self.trackers is not None:
+            self.trackers.log(step, metrics)
 
     def event(self, kind: str, message: str, step: int | None = None, **data: Any) -> None:
         self.store.add_event(self.job_id, kind, message, step, data)

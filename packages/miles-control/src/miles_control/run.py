@@ -96,6 +96,8 @@ def run_job(
     else:
         attempt = next(a for a in store.attempts(job_id) if a.id == attempt_id)
     recorder = Recorder(store, job_id)
+    if spec.tracking:
+        recorder.trackers = _start_trackers(spec, job_id, recorder)
     runtime = None
     started_ray = False
     outcome = "ended"
@@ -174,8 +176,25 @@ def run_job(
         store.end_attempt(attempt.id, outcome)
         if runtime is not None:
             runtime.shutdown()
+        if recorder.trackers is not None:
+            recorder.trackers.close()
         if started_ray:
             import ray
 
             ray.shutdown()
     return job_id
+
+
+def _start_trackers(spec: JobSpec, job_id: int, recorder: Recorder):
+    """The job's experiment trackers; each that starts is an event with its link (the dashboard shows it), each that
+    cannot, or fails later, a warning in the log and the job's events."""
+    from miles_control.tracking import Trackers
+
+    def warn(message: str, kind: str) -> None:
+        log.warning("%s", message)
+        recorder.event("tracking", message, level="warning", type=kind)
+
+    trackers = Trackers(spec, job_id, warn)
+    for kind, link in trackers.links():
+        recorder.event("tracking", f"{kind}: {link}", type=kind, link=link)
+    return trackers

@@ -4,6 +4,7 @@ server process on loopback. Used by the test suites and `bench/api_latency.py`; 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -206,3 +207,19 @@ def fresh_venv(folder: Path, with_pip: bool) -> tuple[Path, Path]:
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = subprocess.run([str(python), "-c", purelib], check=True, capture_output=True, text=True).stdout.strip()
     return python, Path(site)
+
+
+def put_in_hub_cache(cache: Path, repo_id: str, files: Path, repo_type: str = "model", revision: str = "main") -> Path:
+    """Lay the files of folder `files` out in a Hugging Face cache (`HF_HUB_CACHE`) as `huggingface_hub` leaves a
+    downloaded repository: `<type>s--<org>--<name>/snapshots/<commit>/…` and `refs/<revision>` naming the commit.
+    With `HF_HUB_OFFLINE=1`, `snapshot_download(repo_id)` then resolves to that snapshot (what a machine without
+    network sees after a download elsewhere). Returns the snapshot folder."""
+    import hashlib
+
+    repo = Path(cache) / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(files, snapshot, dirs_exist_ok=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / revision).write_text(commit)
+    return snapshot

@@ -230,11 +230,30 @@ class RolloutConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Prompts from a JSONL or Parquet file, or from the built-in arithmetic generator."""
+    """Prompts from a JSONL or Parquet file, from any dataset the `datasets` library reads (`source: hf`), or from
+    the built-in arithmetic generator."""
 
-    source: Literal["file", "arithmetic"] = "arithmetic"
-    path: str | None = Field(None, description="JSONL or Parquet file when source=file.")
+    source: Literal["file", "hf", "arithmetic"] = "arithmetic"
+    path: str | None = Field(
+        None,
+        description="source=file: a JSONL or Parquet file. source=hf: a Hub dataset id (`org/name`, through the "
+        "Hugging Face cache), a local dataset folder (as on the Hub, or `save_to_disk`'s), or Parquet / JSONL / CSV "
+        "/ Arrow files (globs allowed, e.g. `data/train-*.parquet`).",
+    )
     eval_path: str | None = Field(None, description="Held-out prompts when source=file.")
+    split: str = Field("train", description="source=hf: the split trained on (files given by path are `train`).")
+    eval_split: str | None = Field(
+        None, description="source=hf: a split of held-out prompts; None: eval_fraction, or the last num_eval rows."
+    )
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="source=hf: hold out this share of `split` (a seeded shuffle) for evaluation."
+    )
+    revision: str | None = Field(None, description="source=hf, a Hub id: a branch, tag or commit.")
+    map: str | None = Field(
+        None,
+        description="source=hf: a function by dotted path (`module:function`) applied to every row (a dict) before "
+        "prompt_key and label_key are read; it returns the row (changed or new columns), through `Dataset.map`.",
+    )
     prompt_key: str = Field("prompt", description="Key of the prompt: a text, or a list of {role, content} messages.")
     label_key: str = "label"
     chat_template: str = Field(
@@ -251,6 +270,19 @@ class DataConfig(_Strict):
     num_eval: int = Field(500, gt=0, description="arithmetic: number of held-out prompts.")
     digits: int = Field(2, ge=1, le=6, description="arithmetic: digits per operand.")
     operations: list[Operation] = Field(default_factory=lambda: list[Operation](["+"]))
+
+    @model_validator(mode="after")
+    def _fields_fit_source(self) -> DataConfig:
+        if self.source != "arithmetic" and not self.path:
+            raise ValueError(f"data.path: required when data.source is {self.source!r}")
+        hf_only = {"eval_split": None, "eval_fraction": None, "revision": None, "map": None, "split": "train"}
+        if self.source != "hf":
+            given = [k for k, default in hf_only.items() if getattr(self, k) != default]
+            if given:
+                raise ValueError(f"data.{given[0]}: only for data.source hf (this is {self.source!r})")
+        if self.eval_split is not None and self.eval_fraction is not None:
+            raise ValueError("data.eval_split and data.eval_fraction: give one of them")
+        return self
 
     @model_validator(mode="after")
     def _system_prompt_needs_template(self) -> DataConfig:

@@ -1,10 +1,10 @@
-"""Prompt data: JSONL or Parquet files with configurable keys, and a seeded epoch iterator."""
+"""Prompt data: JSONL or Parquet files (or any rows) with configurable keys, and a seeded epoch iterator."""
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from miles_rollout.types import PromptRecord
@@ -24,15 +24,23 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", label_key: str = 
         rows = _read_jsonl(path)
     else:
         raise PromptDataError(f"{path}: unsupported prompt file type {path.suffix!r} (use .jsonl or .parquet)")
+    return records_from_rows(rows, str(path), prompt_key, label_key)
+
+
+def records_from_rows(
+    rows: Iterable[tuple[str, dict]], source: str, prompt_key: str = "prompt", label_key: str = "label"
+) -> list[PromptRecord]:
+    """Prompt records from `(where, row)` pairs: `row[prompt_key]` is a text or a list of {role, content} messages,
+    `row[label_key]` the label, the other columns the record's metadata. Errors name `source:where` and the key."""
     records = []
     for where, row in rows:
         missing = [k for k in (prompt_key, label_key) if k not in row]
         if missing:
-            raise PromptDataError(f"{path}:{where}: missing key(s) {missing}; present: {sorted(row)}")
+            raise PromptDataError(f"{source}:{where}: missing key(s) {missing}; present: {sorted(row)}")
         extra = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
         prompt = row[prompt_key]
         if isinstance(prompt, list):
-            messages = _messages(prompt, f"{path}:{where}: {prompt_key}")
+            messages = _messages(prompt, f"{source}:{where}: {prompt_key}")
             user = [m["content"] for m in messages if m["role"] == "user"]
             records.append(
                 PromptRecord(user[-1] if user else messages[-1]["content"], str(row[label_key]), extra, messages)
@@ -40,7 +48,7 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", label_key: str = 
         else:
             records.append(PromptRecord(str(prompt), str(row[label_key]), extra))
     if not records:
-        raise PromptDataError(f"{path}: no prompts")
+        raise PromptDataError(f"{source}: no prompts")
     return records
 
 

@@ -40,6 +40,16 @@ def show() -> None:
     head.caption(timing(job, client.steps(job_id)))
     if job.error:
         head.error(job.error)
+    all_events = rows(client.events(job_id, limit=1000))
+    tracked = [e["data"] for e in all_events if e["kind"] == "tracking" and e["data"].get("link")]
+    if tracked:  # the job's experiment trackers: a URL is a link, a local folder or store is shown to copy
+        head.markdown(
+            "Tracked in "
+            + " · ".join(
+                f"[{t['type']}]({t['link']})" if t["link"].startswith("http") else f"{t['type']}: `{t['link']}`"
+                for t in tracked
+            )
+        )
     if job.status in ACTIVE and actions.button("Cancel", key="cancel"):
         _act(lambda: client.cancel(job_id), "cancel requested")
     if job.resumable and actions.button("Resume", key="resume"):
@@ -150,7 +160,7 @@ def show() -> None:
             step = st.selectbox("Step", steps, key=f"sample_step-{job_id}-{steps[0]}")
             _samples([s for s in samples if s["step"] == step], f"tab-{job_id}")
     with tabs[6]:
-        events = sorted(rows(client.events(job_id, limit=1000)), key=lambda e: e["created_at"], reverse=True)
+        events = sorted(all_events, key=lambda e: e["created_at"], reverse=True)
         for event in events:  # newest first, with readable times
             event["time"] = clock(event["created_at"])
         st.dataframe(
