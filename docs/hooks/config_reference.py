@@ -139,8 +139,10 @@ class Reference:
         args = _union_args(tp)
         models = [arg for arg in (args or (_unwrap(tp),)) if _is_model(arg)]
         if not models:
-            for inner in typing.get_args(_unwrap(tp)):  # list[Model], dict[str, Model]
-                if _is_model(inner) and inner not in self.anchors:
+            for inner in typing.get_args(_unwrap(tp)):  # list[Model], dict[str, Model], list[a union of models]
+                if any(_is_model(arg) for arg in _union_args(inner) or ()):
+                    self._collect_type(inner, path)
+                elif _is_model(inner) and inner not in self.anchors:
                     self._collect(inner, path)
             return
         if len(models) == 1:

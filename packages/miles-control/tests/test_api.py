@@ -542,3 +542,39 @@ def test_engine_logs_are_served_only_from_where_the_server_put_or_confined_them(
     assert api.get(url, params={"source": "engine-0"}).text == "attempt 2's server\n"
     r = api.get(url, params={"source": "engine-0", "attempt": 1})
     assert r.status_code == 404 and "replaced by a later one" in r.json()["detail"]
+
+
+def test_datasets_hub_ids_map_functions_and_trackers_over_the_api(tmp_path, monkeypatch):
+    """data.source hf: a Hub id is kept for the server's Hugging Face cache, a local path is confined to the data
+    root; data.map is a function of an allowed module (read, not imported); a tracker writes under the runs folder
+    and names no host (no tracking_uri)."""
+    from miles_control.api.policy import check_spec
+    from miles_control.api.settings import ServerSettings
+    from miles_control.config import JobSpec
+
+    plugin = tmp_path / "plug"
+    (plugin / "rows").mkdir(parents=True)
+    (plugin / "rows" / "__init__.py").write_text("def shape(row):\n    return row\n")
+    monkeypatch.syspath_prepend(str(plugin))
+    data_root = tmp_path / "data"
+    (data_root / "local" / "set").mkdir(parents=True)
+    settings = ServerSettings(data_root=data_root, data_dir=tmp_path / "state", plugin_modules=["rows"], cpus=4)
+    runs = settings.runs_root
+
+    def check(data: dict, tracking: list | None = None) -> tuple[JobSpec, list[str]]:
+        spec = JobSpec.model_validate({"name": "x", "data": {"source": "hf", **data}, "tracking": tracking or []})
+        checked, problems = check_spec(spec, settings)
+        return checked, [p["msg"] for p in problems]
+
+    spec, problems = check({"path": "org/dataset"})
+    assert problems == [] and spec.data.path == "org/dataset"  # a Hub id
+    spec, problems = check({"path": "local/set"})
+    assert problems == [] and spec.data.path == str((data_root / "local" / "set").resolve())  # a folder there
+    assert "is outside" in check({"path": "/etc/*.csv"})[1][0]
+    assert check({"path": "org/dataset", "map": "rows:shape"})[1] == []
+    assert "unknown map 'os:system'" in check({"path": "org/dataset", "map": "os:system"})[1][0]
+    spec, problems = check({"path": "org/dataset"}, [{"type": "tensorboard", "dir": "tb"}, "wandb"])
+    assert problems == [] and spec.tracking[0].dir == str((runs / "tb").resolve())
+    assert "is outside" in check({"path": "org/dataset"}, [{"type": "tensorboard", "dir": "/tmp"}])[1][0]
+    refused = check({"path": "org/dataset"}, [{"type": "mlflow", "tracking_uri": "http://10.0.0.1"}])[1]
+    assert "a tracking URI is not accepted over the API" in refused[0]

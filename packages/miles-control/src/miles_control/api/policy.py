@@ -105,8 +105,10 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
     critic = data["train"].get("critic") or {}
     if critic.get("model") is not None:  # ppo's value model: a model folder like model.path
         critic["model"] = confined(settings.model_root, critic["model"], ("train", "critic", "model"), "critic folder")
+    hub_dataset = data["data"]["source"] == "hf" and _hub_id_not_local(settings.data_root, data["data"]["path"])
     for key in ("path", "eval_path"):
-        data["data"][key] = confined(settings.data_root, data["data"][key], ("data", key), "prompt file")
+        if not (key == "path" and hub_dataset):  # a Hub dataset id goes to the server's Hugging Face cache
+            data["data"][key] = confined(settings.data_root, data["data"][key], ("data", key), "prompt file")
     if data["data"]["chat_template"] not in ("none", "model"):  # a Jinja file, read by the driver
         data["data"]["chat_template"] = confined(
             settings.data_root, data["data"]["chat_template"], ("data", "chat_template"), "chat template"
@@ -117,6 +119,12 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
         if "output_dir" in spec.model_fields_set
         else str(runs)
     )
+    for index, tracker in enumerate(data["tracking"]):  # local files under the runs folder; no host to contact
+        if tracker.get("dir") is not None:
+            tracker["dir"] = confined(runs, tracker["dir"], ("tracking", str(index), "dir"), "tracking folder")
+        if tracker.get("tracking_uri") is not None:
+            problems.append(_problem(("tracking", str(index), "tracking_uri"), "a tracking URI is not accepted over "
+                                     "the API (a host to contact); the server's MLFLOW_TRACKING_URI applies"))  # fmt: skip
     if data["sync"].get("dir") is not None:  # the disk transport deletes old versions there: each run has its own
         problems.append(_problem(("sync", "dir"), "the server gives each run its own weights folder; leave it out"))
     for key in ("master_address", "master_port"):  # as engine `urls`: a job over the API names no host to contact
@@ -249,4 +257,19 @@ def _check_plugins(spec: JobSpec, settings: ServerSettings) -> list[Problem]:
     problems += _check_plugin(
         "train.algorithm.name", spec.train.algorithm.name, list(ALGORITHMS), settings, positional=None, classes=True
     )
+    if spec.data.map is not None:  # run on every row by the driver: a function of an allowed module, as above
+        problems += _check_plugin("data.map", spec.data.map, [], settings, positional=1)
     return problems
+
+
+def _hub_id_not_local(root: Path, raw: str | None) -> bool:
+    """`data.path` of `source: hf` names a Hub dataset: a valid id, and nothing of that name under the data root."""
+    from miles_control.config import check_repo_id
+
+    if raw is None or raw.startswith(("/", ".", "~")):
+        return False
+    try:
+        check_repo_id(raw)
+    except ValueError:
+        return False
+    return not (root / raw).exists()
