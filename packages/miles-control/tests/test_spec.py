@@ -86,8 +86,9 @@ def test_wrong_type_and_range_are_named(tmp_path):
 
 
 def test_discriminated_choices(tmp_path):
-    errors = errors_of(write(tmp_path, "name: x\nmodel:\n  source: hub\n"))
-    assert errors[0].startswith("model: Input tag 'hub' found using 'source' does not match")
+    errors = errors_of(write(tmp_path, "name: x\nmodel:\n  source: s3\n"))
+    assert errors[0].startswith("model: Input tag 's3' found using 'source' does not match"), errors
+    assert "'hub'" in errors[0]  # the choices listed include the Hub
     errors = errors_of(write(tmp_path, "name: x\nrollout:\n  engine:\n    type: vllm\n"))
     assert errors[0] == (
         "rollout.engine: Input tag 'vllm' found using 'type' does not match any of the expected tags: 'hf', 'sglang'"
