@@ -52,6 +52,12 @@ def dashboard_api(tmp_path_factory):
     store = Store(url)
     _, token = create_token(store, "dash", "admin")
     done = seed_run(store, "sync-run", "sync", 5, JobStatus.SUCCEEDED)
+    # what a job with trackers records (miles_control.run): a link per tracker that started, a warning per one that not
+    store.add_event(done, "tracking", "wandb: https://wandb.ai/team/miles/runs/abc", None,
+                    {"type": "wandb", "link": "https://wandb.ai/team/miles/runs/abc"})  # fmt: skip
+    store.add_event(done, "tracking", "tensorboard: /runs/tracking/tensorboard/miles/sync-run-job1", None,
+                    {"type": "tensorboard", "link": "/runs/tracking/tensorboard/miles/sync-run-job1"})  # fmt: skip
+    store.add_event(done, "tracking", "tracking[2] (mlflow) cannot start", None, {"type": "mlflow", "level": "warning"})
     running = seed_run(store, "async-run", "fully_async", 50, JobStatus.RUNNING)
     server = ApiServer(url, tmp, launcher="off", presets_dir=str(ROOT / "examples")).start()
     yield {"url": server.url, "token": token, "store": store, "done": done, "running": running}
@@ -148,6 +154,9 @@ def test_job_page_shows_timeline_breakdown_sync_samples(app, dashboard_api):
     assert not at.exception
     body = texts(at)
     assert "sync-run" in body and "succeeded" in body and "step 5/5" in body
+    # the trackers as links (a URL) or a path to copy; the one that did not start is only in the events
+    assert ("Tracked in [wandb](https://wandb.ai/team/miles/runs/abc) · tensorboard: "
+            "`/runs/tracking/tensorboard/miles/sync-run-job1`") in body  # fmt: skip
     assert "Spans shown: **reward** 5, **rollout** 5, **train** 5, **weight_sync** 5" in body
     # the numbers of the one summary (what `miles run` prints), served by the API: 5 steps of 3.05 s, 4 s apart
     from miles_control.summary import summarize
