@@ -33,7 +33,7 @@ from common import machine, table  # noqa: E402
 CONFIGS = {
     "bf16 engines, trainer on fp32 master weights (before)": (
         "bfloat16",
-        {"policy_weights": "master", "grpo": {"old_logprobs": "rollout"}},
+        {"policy_weights": "master", "algorithm": {"old_logprobs": "rollout"}},
     ),
     "bf16 engines, trainer on the weights as pushed (default)": ("bfloat16", {}),
     "fp32 engines": ("float32", {}),

@@ -68,7 +68,8 @@ def plain_loop(model_dir: str, batch, steps: int) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     from miles_train.collate import collate, token_logprobs
-    from miles_train.grpo import clipped_policy_loss, group_advantages, token_mean
+    from miles_train.loss import aggregate, ppo_clip
+    from miles_train.objectives import group_baseline_advantages
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -76,10 +77,11 @@ def plain_loop(model_dir: str, batch, steps: int) -> list[float]:
     for _ in range(steps):
         start = time.perf_counter()
         c = collate(batch)
-        adv = group_advantages(batch.rewards, batch.group_index)
+        adv = group_baseline_advantages(batch.rewards, batch.group_index, "std").float()
         logprobs, _ = token_logprobs(model, c, with_entropy=True)
-        pg, _, _ = clipped_policy_loss(logprobs, c.rollout_logprobs, adv[:, None].expand_as(logprobs), 0.2)
-        token_mean(pg, c.loss_mask).backward()
+        ratio = torch.exp(logprobs - c.rollout_logprobs)
+        pg, _ = ppo_clip(ratio, adv[:, None].expand_as(logprobs), 0.2, 0.2)
+        aggregate(pg, c.loss_mask, "token_mean", float(c.loss_mask.sum()), len(batch)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

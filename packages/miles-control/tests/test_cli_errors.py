@@ -31,11 +31,11 @@ def test_invalid_spec_exits_2_naming_fields_before_anything_loads(tmp_path):
         "--set",
         "rollout.sampling.top_p=1.5",
         "--set",
-        "train.grpo.clip=0.1",
+        "train.algorithm.clip=0.1",
     )
     assert result.returncode == 2, result.stderr
     assert "rollout.sampling.top_p: Input should be less than or equal to 1" in result.stderr
-    assert "train.grpo.clip: Extra inputs are not permitted" in result.stderr
+    assert "train.algorithm.clip: Extra inputs are not permitted" in result.stderr
     assert not (tmp_path / "cache").exists()  # no model was built
     assert not (tmp_path / "m.db").exists()  # no job was created
 

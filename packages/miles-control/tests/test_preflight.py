@@ -95,9 +95,9 @@ def test_precision_and_quantization_a_backend_cannot_run_are_refused_at_validati
     with pytest.raises(ValidationError, match="train.quantization: nvfp4 scales a whole HF tensor"):
         spec(train={"backend": "megatron", "quantization": "nvfp4"})
     with pytest.raises(ValidationError, match=r"mis_band: \[1.5, 2.0\] must hold 1"):
-        spec(train={"grpo": {"mis_band": [1.5, 2.0]}})
+        spec(train={"algorithm": {"mis_band": [1.5, 2.0]}})
     with pytest.raises(ValidationError, match="mis_band needs the trainer's old-policy logprobs"):
-        spec(train={"grpo": {"mis_band": [0.5, 2.0], "old_logprobs": "rollout"}})
+        spec(train={"algorithm": {"mis_band": [0.5, 2.0], "old_logprobs": "rollout"}})
     with pytest.raises(ValidationError, match="sync.quantization|Input should be 'none'"):
         spec(sync={"quantization": "fp6"})
     with pytest.raises(ValidationError, match="train.quant_group_size 64 ≠ sync.quant_group_size 128"):

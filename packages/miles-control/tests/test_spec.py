@@ -217,8 +217,8 @@ def test_kind_sft_fills_what_supervised_fine_tuning_needs_and_refuses_contradict
 def test_dynamic_sampling_and_the_overlong_penalty_are_refused_where_they_mean_nothing():
     from miles_control.config import JobSpec
 
-    with pytest.raises(ValueError, match="but train.grpo.tis_cap is 2.0"):
-        JobSpec.model_validate({"name": "s", "kind": "sft", "train": {"grpo": {"tis_cap": 2.0}}})
+    with pytest.raises(ValueError, match="but train.algorithm.tis_cap is 2.0"):
+        JobSpec.model_validate({"name": "s", "kind": "sft", "train": {"algorithm": {"tis_cap": 2.0}}})
     with pytest.raises(ValueError, match="rollout.sampling.temperature is 0.7"):
         JobSpec.model_validate({"name": "s", "kind": "sft", "rollout": {"sampling": {"temperature": 0.7}}})
     distill = {"algorithm": "distill", "teacher": "t"}

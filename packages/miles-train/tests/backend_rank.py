@@ -12,8 +12,8 @@ with staleness 0, 1, 2 within each group (`offpolicy-partial`: each token its ow
 `offpolicy-int4push` is `offpolicy` with pushes quantized to INT4 (sync.quantization) and an unquantized trainer.
 `qat-FORMAT` sets train.quantization (int4 groups of 32); `mis` masks tokens whose ratio leaves [0.4, 3] on the
 off-policy batch.
-`json:{...}` takes one step with train.algorithm, train.grpo entries and the learning rate from the JSON
-(`{"algorithm": {...}, "grpo": {...}, "lr": 1e-12, "teacher": DIR, "critic": {...}, "batch": "offpolicy",
+`json:{...}` takes one step with train.algorithm, its shared loss settings and the learning rate from the JSON
+(`{"algorithm": {...}, "settings": {...}, "lr": 1e-12, "teacher": DIR, "critic": {...}, "batch": "offpolicy",
 "expect_error": true, "resume": true}`); an expected error is recorded with the weights after it instead of failing
 the rank; `resume` runs the whole sequence below (step, save, step, load, step) instead of one step.
 """
@@ -89,15 +89,17 @@ def main() -> None:
     offpolicy = mode.startswith("offpolicy")
     rank, world_size = int(rank), int(world_size)
     torch.set_num_threads(1)
-    grpo = {"old_logprobs": "recompute", "kl_coef": 0.1}
+    settings = {"old_logprobs": "recompute", "kl_coef": 0.1}  # train.algorithm's shared loss settings
     if offpolicy:
-        grpo |= {"tis_cap": 1.5, "staleness": "decay", "staleness_decay": 0.5}
+        settings |= {"tis_cap": 1.5, "staleness": "decay", "staleness_decay": 0.5}
     if mode == "mis":
-        grpo |= {"mis_band": (0.4, 3.0)}
+        settings |= {"mis_band": (0.4, 3.0)}
     custom = json.loads(mode.removeprefix("json:")) if mode.startswith("json:") else {}
-    grpo |= custom.get("grpo", {})
+    settings |= custom.get("settings", {})
     if custom.get("teacher"):
-        grpo["kl_coef"] = 0.0  # distill's frozen model is the teacher
+        settings["kl_coef"] = 0.0  # distill's frozen model is the teacher
+    algorithm = custom.get("algorithm", "grpo")
+    algorithm = ({"name": algorithm} if isinstance(algorithm, str) else algorithm) | settings
     backend_cfg, precision = backend_config(variant, world_size)
     quantization = mode.removeprefix("qat-") if mode.startswith("qat-") else "none"
     config = TrainConfig.model_validate(
@@ -107,8 +109,7 @@ def main() -> None:
             "quantization": quantization,
             "quant_group_size": 32,
             "optimizer": {"lr": custom.get("lr", 1e-3), "max_grad_norm": 1.0},
-            "grpo": grpo,
-            "algorithm": custom.get("algorithm", "grpo"),
+            "algorithm": algorithm,
             "teacher": custom.get("teacher"),
             "critic": custom.get("critic"),
         }

@@ -22,20 +22,45 @@ from transformers import AutoModelForCausalLM
 from miles_sync import without_tied_head
 from miles_train.collate import collate, logprobs_from_logits, token_logprobs
 from miles_train.config import AlgorithmConfig
-from miles_train.grpo import clipped_policy_loss, group_advantages, kl_k3, token_mean
-from miles_train.objectives import (
-    AdvantageInputs,
+from miles_train.loss import (
     LossInputs,
     aggregate,
-    build_objective,
-    check_advantages,
     denominators,
     kl_estimate,
+    masked_is_weights,
+    staleness_weights,
+    truncated_is_weights,
 )
+from miles_train.objectives import AdvantageInputs, build_objective, check_advantages
 
 RANK_SCRIPT = Path(__file__).with_name("backend_rank.py")
 sys.path.insert(0, str(RANK_SCRIPT.parent))
 from backend_rank import contract_batch, offpolicy_batch, partial_ages  # noqa: E402
+
+
+# ---- the GRPO step's formulas written plainly (the oracle the backends are held to) ---------------------------
+def group_advantages(rewards: list[float], groups: list[int]) -> torch.Tensor:
+    """(r − group mean) / (group's unbiased std + 1e-6); 0 for a group of one or of equal rewards."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    out = torch.zeros_like(r)
+    for g in set(groups):
+        idx = torch.tensor([i for i, x in enumerate(groups) if x == g])
+        if len(idx) > 1 and r[idx].std() > 0:
+            out[idx] = (r[idx] - r[idx].mean()) / (r[idx].std() + 1e-6)
+    return out.float()
+
+
+def clipped_policy_loss(logprobs, old, adv, eps):
+    ratio = torch.exp(logprobs - old)
+    return -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+
+
+def kl_k3(logprobs, ref):
+    return torch.exp(ref - logprobs) - (ref - logprobs) - 1
+
+
+def token_mean(values, mask):
+    return (values * mask).sum() / mask.sum()
 
 
 def free_port() -> int:
@@ -135,7 +160,7 @@ def reference_step(model_dir):
         ref_lp, _ = token_logprobs(ref, c)
     logprobs, _ = token_logprobs(model, c)
     adv = group_advantages(batch.rewards, batch.group_index)[:, None].expand_as(logprobs)
-    pg, _, _ = clipped_policy_loss(logprobs, old, adv, 0.2)
+    pg = clipped_policy_loss(logprobs, old, adv, 0.2)
     loss = token_mean(pg + 0.1 * kl_k3(logprobs, ref_lp), c.loss_mask)
     return model, old, c, loss
 
@@ -301,14 +326,12 @@ def plain_old_and_reference(model_dir, batch):
 
 
 def test_masked_importance_sampling_matches_plain_pytorch(tiny_model_dir, tmp_path):
-    """grpo.mis_band: tokens whose ratio π_old/π_rollout leaves [0.4, 3] carry no loss, as written plainly."""
-    from miles_train.grpo import masked_is_weights
-
+    """algorithm.mis_band: tokens whose ratio π_old/π_rollout leaves [0.4, 3] carry no loss, as written plainly."""
     result = run_ranks(tiny_model_dir, 2, tmp_path, mode="mis")
     batch = offpolicy_batch()
     c, old, ref_lp = plain_old_and_reference(tiny_model_dir, batch)
     adv = group_advantages(batch.rewards, batch.group_index)[:, None].expand_as(old)
-    pg, _, _ = clipped_policy_loss(old, old, adv, 0.2)
+    pg = clipped_policy_loss(old, old, adv, 0.2)
     keep, dropped = masked_is_weights(old, c.rollout_logprobs, 0.4, 3.0)
     loss = token_mean(pg * keep + 0.1 * kl_k3(old, ref_lp), c.loss_mask)
     frac = float(token_mean(dropped.float(), c.loss_mask))
@@ -326,14 +349,12 @@ def test_off_policy_correction_matches_plain_pytorch(world_size, mode, tiny_mode
     pushes and an unquantized trainer, π_old is still the trainer's own (unquantized) policy: the PPO ratio
     starts at 1 and the rollout's quantization error is left to TIS. Partial rollouts: every token is weighed by
     its own age, not its sample's."""
-    from miles_train.grpo import staleness_weights, truncated_is_weights
-
     result = run_ranks(tiny_model_dir, world_size, tmp_path, mode=mode)  # the loop is shared by every backend
     batch = offpolicy_batch()
     c, old, ref_lp = plain_old_and_reference(tiny_model_dir, batch)
     logprobs = old  # a first step: the policy is π_old
     adv = group_advantages(batch.rewards, batch.group_index)[:, None].expand_as(logprobs)
-    pg, _, _ = clipped_policy_loss(logprobs, old, adv, 0.2)
+    pg = clipped_policy_loss(logprobs, old, adv, 0.2)
     tis, truncated = truncated_is_weights(old, c.rollout_logprobs, 1.5)
     weights = staleness_weights([0, 1, 2, 0, 1, 2], "decay", 0.5, 1)[:, None]
     if mode == "offpolicy-partial":  # the response positions of each row, in order, get their token's weight
@@ -449,8 +470,8 @@ def plain_minibatch_updates(model_dir, config: AlgorithmConfig, teacher=None) ->
 @pytest.mark.parametrize(("name", "options"), OBJECTIVES, ids=[f"{n}-{'-'.join(o) or 'plain'}" for n, o in OBJECTIVES])
 def test_each_objective_split_over_ranks_and_minibatches_matches_plain_pytorch(name, options, tiny_model_dir, tmp_path):
     config = AlgorithmConfig(name=name, **options)
-    grpo = {"num_minibatches": 2, "old_logprobs": "rollout"}
-    spec = {"algorithm": config.model_dump(), "grpo": grpo, "lr": 1e-12, "batch": "offpolicy"}
+    settings = {"num_minibatches": 2, "old_logprobs": "rollout"}
+    spec = {"algorithm": config.model_dump(exclude_unset=True), "settings": settings, "lr": 1e-12, "batch": "offpolicy"}
     result = run_ranks(tiny_model_dir, 2, tmp_path, mode="json:" + json.dumps(spec))
     plain = plain_minibatch_updates(tiny_model_dir, config)
     metrics = result["metrics"]
@@ -492,8 +513,8 @@ def test_distill_scores_with_the_teacher_as_written_plainly(
 ):
     config = AlgorithmConfig(name="distill")
     spec = {
-        "algorithm": config.model_dump(),
-        "grpo": {"num_minibatches": 2},
+        "algorithm": config.model_dump(exclude_unset=True),
+        "settings": {"num_minibatches": 2},
         "lr": 1e-12,
         "teacher": str(tiny_llama_dir),
     }
@@ -522,7 +543,7 @@ def test_ppo_trains_its_critic_and_resumes_it_with_the_policy(variant, world_siz
     spec = {
         "algorithm": "ppo",
         "critic": {"lr": 0.01, "lam": 0.9, "value_clip": None},
-        "grpo": {"kl_coef": 0.0},
+        "settings": {"kl_coef": 0.0},
         "lr": 1e-4,
         "resume": True,
     }
@@ -546,7 +567,7 @@ def test_ppo_trains_its_critic_and_resumes_it_with_the_policy(variant, world_siz
 def plain_critic_grad_norm(model_dir, returns: list[list[float]]) -> float:
     """The norm of the gradient of ½(V − R)², token mean over the contract batch, for a fresh value model."""
     from miles_train.critic import load_value_model
-    from miles_train.objectives import value_loss
+    from miles_train.loss import value_loss
 
     model = load_value_model(model_dir, torch.device("cpu"))
     batch = contract_batch()

@@ -172,7 +172,8 @@ def test_backend_by_name_and_default():
     assert TrainConfig.model_validate({"backend": "torchtitan"}).backend.type == "torchtitan"
     with pytest.raises(ValueError, match="a backend mapping names its type"):  # no silent default kind
         TrainConfig.model_validate({"backend": {"world_size": 2}})
-    # a job stored before train.grpo.staleness_max was renamed still loads, with the value it had
-    assert TrainConfig.model_validate({"grpo": {"staleness_max": 3}}).grpo.drop_older_than == 3
+    # a job stored before train.grpo.staleness_max was renamed (and moved to train.algorithm) still loads
+    with pytest.warns(FutureWarning, match="train.grpo is deprecated"):
+        assert TrainConfig.model_validate({"grpo": {"staleness_max": 3}}).algorithm.drop_older_than == 3
     megatron = TrainConfig.model_validate({"backend": {"type": "megatron", "world_size": 4, "tensor_parallel_size": 2}})
     assert megatron.backend.data_parallel_size == 2

@@ -9,23 +9,25 @@ import pytest
 import torch
 
 from miles_train.config import TrainConfig
-from miles_train.grpo import group_advantages
+from miles_train.loss import (
+    LossInputs,
+    ObjectiveError,
+    aggregate,
+    check_loss,
+    denominators,
+    kl_estimate,
+    ppo_clip,
+    value_loss,
+)
 from miles_train.objectives import (
     BUILTINS,
     GSPO,
     AdvantageInputs,
-    LossInputs,
-    ObjectiveError,
-    aggregate,
     build_objective,
     check_advantages,
-    check_loss,
-    denominators,
     gae,
-    kl_estimate,
-    ppo_clip,
+    group_baseline_advantages,
     token_rewards,
-    value_loss,
     whiten,
 )
 
@@ -61,7 +63,7 @@ def test_grpo_and_dr_grpo_by_hand():
     assert adv.tolist() == pytest.approx([h, -h, -h, h], abs=1e-5)
     assert advantages("dr_grpo", [1, 0, 0, 1], [0] * 4).tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
     assert advantages("grpo", [2.0, 0.0, 1.0], [5] * 3, normalize_std=False).tolist() == pytest.approx([1, -1, 0])
-    assert group_advantages([0.7] * 8, [0] * 8).abs().max() == 0  # the first wave's entry point too
+    assert group_baseline_advantages([0.7] * 8, [0] * 8, "std").abs().max() == 0
 
 
 def test_rloo_by_hand():

@@ -10,7 +10,6 @@ _EXPORTS = {
         [
             "AlgorithmConfig",
             "FSDP2Config",
-            "GRPOConfig",
             "MegatronConfig",
             "OptimizerConfig",
             "TorchtitanConfig",
@@ -22,7 +21,7 @@ _EXPORTS = {
     "build_backend": "backends",
     "TrainerBackend": "protocol",
     "TrainBatch": "types",
-    **dict.fromkeys(["clipped_policy_loss", "group_advantages", "kl_k3", "token_mean"], "grpo"),
+    **dict.fromkeys(["LossTerms", "aggregate", "kl_estimate", "ppo_clip"], "loss"),
     "supervised_finetune": "sft",
 }
 __all__ = sorted(_EXPORTS)

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from miles_sync.config import QUANT_DESCRIPTION, QuantFormat
+from miles_train.stored import upgrade_train_spec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -69,91 +70,17 @@ class OptimizerConfig(_Strict):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm; None disables.")
 
 
-class GRPOConfig(_Strict):
-    """The clipped-ratio loss settings every algorithm shares (the name is the first wave's, when GRPO was the only
-    objective): clipping, the KL weight, minibatches, and the corrections for off-policy and mismatched rollouts.
-    What the objective is (advantages, loss, aggregation) is `train.algorithm`."""
-
-    clip_eps: float = Field(0.2, gt=0)
-    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip; None uses clip_eps.")
-    normalize_std: bool = Field(
-        True, description="grpo: divide advantages by the group's standard deviation (the other algorithms ignore it)."
-    )
-    kl_coef: float = Field(
-        0.0,
-        ge=0,
-        description="Weight of the KL to the frozen reference (train.algorithm.kl_estimator, in the loss or the "
-        "reward: kl_in_reward); 0 = no reference model.",
-    )
-    old_logprobs: Literal["auto", "rollout", "recompute"] = Field(
-        "auto",
-        description="Behaviour logprobs of the ratio's denominator: the engine's (rollout), or recomputed by the "
-        "trainer under the weights as pushed (recompute: removes the engine's numerical difference from the ratio). "
-        "auto: recompute when the engines hold the weights in another dtype than the trainer's master weights "
-        "(a bf16 checkpoint) or tis_cap is set, rollout otherwise.",
-    )
-    num_minibatches: int = Field(1, ge=1, description="Optimizer steps per batch.")
-    loss_aggregation: Literal["token_mean"] = Field(
-        "token_mean", description="Kept for stored specs; the aggregation is train.algorithm.aggregation."
-    )
-    mis_band: tuple[float, float] | None = Field(
-        None,
-        description="Masked importance sampling: tokens whose ratio π_old/π_rollout falls outside [low, high] get "
-        "no loss (π_old recomputed by the trainer; needs old_logprobs: recompute or auto). None: off.",
-    )
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description="Truncated importance sampling: weight each token's loss by min(π_old/π_rollout, tis_cap), "
-        "π_old recomputed by the trainer (needs old_logprobs: recompute). None: off.",
-    )
-    staleness: Literal["none", "decay", "drop"] = Field(
-        "none",
-        description="Staleness-aware weighting of off-policy samples: decay multiplies a sample's loss by "
-        "staleness_decay ** staleness; drop zeroes samples older than drop_older_than. "
-        "(Which samples reach the trainer at all is schedule.max_staleness.)",
-    )
-    staleness_decay: float = Field(0.5, gt=0, le=1)
-    drop_older_than: int = Field(
-        1, ge=0, description="staleness: drop gives zero weight to samples more than this many versions old."
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _stored_name(cls, data: Any) -> Any:
-        """Jobs stored before the rename keep `staleness_max` in their spec: read it as `drop_older_than`."""
-        if isinstance(data, dict) and "staleness_max" in data and "drop_older_than" not in data:
-            data = {k: v for k, v in data.items() if k != "staleness_max"} | {"drop_older_than": data["staleness_max"]}
-        return data
-
-    @model_validator(mode="after")
-    def _tis_needs_recompute(self) -> GRPOConfig:
-        if self.tis_cap is not None and self.old_logprobs == "rollout":
-            raise ValueError("tis_cap needs the trainer's old-policy logprobs: old_logprobs recompute (or auto)")
-        if self.mis_band is not None:
-            low, high = self.mis_band
-            if not 0 <= low < 1 < high:
-                raise ValueError(f"mis_band: [{low}, {high}] must hold 1 with 0 ≤ low < 1 < high")
-            if self.old_logprobs == "rollout":
-                raise ValueError("mis_band needs the trainer's old-policy logprobs: old_logprobs recompute (or auto)")
-        return self
-
-    @property
-    def corrects_rollout(self) -> bool:
-        """True when a correction of the rollout's numerics (TIS or MIS) needs the trainer's old logprobs."""
-        return self.tis_cap is not None or self.mis_band is not None
-
-
 ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo", "distill", "sft")
 RL_ALGORITHMS = ALGORITHMS[:7]  # what `miles bench algorithms` compares by default (distill needs a teacher)
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
 
 class AlgorithmConfig(_Strict):
-    """The objective: how advantages are estimated, the policy loss, and how per-token losses are aggregated.
-
-    The clipped-ratio settings every algorithm shares (clip_eps, clip_eps_high, kl_coef, the off-policy corrections,
-    num_minibatches) stay in `train.grpo`, the name they had when GRPO was the only objective."""
+    """The algorithm, in one section: the objective (how advantages are estimated, the policy loss, how per-token
+    losses are aggregated) and the loss terms every objective combines with it: the ratio's clipping, the KL to the
+    reference, the entropy bonus, the corrections of off-policy and mismatched rollouts (TIS, MIS, staleness), and
+    the minibatches of a step. (Specs written before this section held the shared settings in `train.grpo`: they
+    still load, with a deprecation warning.)"""
 
     name: str = Field(
         "grpo",
@@ -178,7 +105,7 @@ class AlgorithmConfig(_Strict):
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3",
         description="Estimator of KL(π‖π_ref) per token, Δ = log π_ref − log π: k1 = −Δ, k2 = Δ²/2, "
-        "k3 = e^Δ − Δ − 1. Weighted by train.grpo.kl_coef (0: no reference model, no KL).",
+        "k3 = e^Δ − Δ − 1. Weighted by kl_coef (0: no reference model, no KL).",
     )
     kl_in_reward: bool | None = Field(
         None,
@@ -194,6 +121,46 @@ class AlgorithmConfig(_Strict):
         gt=1,
         description="Dual-clip PPO: for negative advantages the loss is capped at dual_clip × |A| (a large ratio on "
         "a bad sample cannot blow up the update). None: off.",
+    )
+    clip_eps: float = Field(0.2, gt=0)
+    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip; None uses clip_eps.")
+    normalize_std: bool = Field(
+        True, description="grpo: divide advantages by the group's standard deviation (the other algorithms ignore it)."
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the KL to the frozen reference (train.algorithm.kl_estimator, in the loss or the "
+        "reward: kl_in_reward); 0 = no reference model.",
+    )
+    old_logprobs: Literal["auto", "rollout", "recompute"] = Field(
+        "auto",
+        description="Behaviour logprobs of the ratio's denominator: the engine's (rollout), or recomputed by the "
+        "trainer under the weights as pushed (recompute: removes the engine's numerical difference from the ratio). "
+        "auto: recompute when the engines hold the weights in another dtype than the trainer's master weights "
+        "(a bf16 checkpoint) or tis_cap is set, rollout otherwise.",
+    )
+    num_minibatches: int = Field(1, ge=1, description="Optimizer steps per batch.")
+    mis_band: tuple[float, float] | None = Field(
+        None,
+        description="Masked importance sampling: tokens whose ratio π_old/π_rollout falls outside [low, high] get "
+        "no loss (π_old recomputed by the trainer; needs old_logprobs: recompute or auto). None: off.",
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling: weight each token's loss by min(π_old/π_rollout, tis_cap), "
+        "π_old recomputed by the trainer (needs old_logprobs: recompute). None: off.",
+    )
+    staleness: Literal["none", "decay", "drop"] = Field(
+        "none",
+        description="Staleness-aware weighting of off-policy samples: decay multiplies a sample's loss by "
+        "staleness_decay ** staleness; drop zeroes samples older than drop_older_than. "
+        "(Which samples reach the trainer at all is schedule.max_staleness.)",
+    )
+    staleness_decay: float = Field(0.5, gt=0, le=1)
+    drop_older_than: int = Field(
+        1, ge=0, description="staleness: drop gives zero weight to samples more than this many versions old."
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for a user objective's constructor (built-ins take none)."
@@ -219,6 +186,23 @@ class AlgorithmConfig(_Strict):
                 f"options: the built-in algorithm {self.name} takes no options (got {sorted(self.options)})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _corrections_need_recompute(self) -> AlgorithmConfig:
+        if self.tis_cap is not None and self.old_logprobs == "rollout":
+            raise ValueError("tis_cap needs the trainer's old-policy logprobs: old_logprobs recompute (or auto)")
+        if self.mis_band is not None:
+            low, high = self.mis_band
+            if not 0 <= low < 1 < high:
+                raise ValueError(f"mis_band: [{low}, {high}] must hold 1 with 0 ≤ low < 1 < high")
+            if self.old_logprobs == "rollout":
+                raise ValueError("mis_band needs the trainer's old-policy logprobs: old_logprobs recompute (or auto)")
+        return self
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """True when a correction of the rollout's numerics (TIS or MIS) needs the trainer's old logprobs."""
+        return self.tis_cap is not None or self.mis_band is not None
 
 
 class CriticConfig(_Strict):
@@ -277,11 +261,11 @@ class TrainConfig(_Strict):
     )
     quant_group_size: int = Field(128, gt=0, description="quantization: int4's group along the input dimension.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     algorithm: AlgorithmConfig = Field(
         default_factory=AlgorithmConfig,
-        description="The objective (advantages, policy loss, aggregation): a mapping, or just the algorithm's name "
-        "(`algorithm: gspo`).",
+        description="The algorithm: the objective (advantages, policy loss, aggregation) and the loss terms it "
+        "combines (clipping, KL, entropy, off-policy corrections, minibatches); a mapping, or just the algorithm's "
+        "name for its defaults (`algorithm: gspo`).",
     )
     teacher: str | None = Field(
         None,
@@ -304,15 +288,9 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _stored_mixed_precision(cls, data: Any) -> Any:
-        """Specs stored before `train.precision` hold fsdp2's `backend.mixed_precision`: read it as the precision."""
-        if isinstance(data, dict) and isinstance(data.get("backend"), dict) and "mixed_precision" in data["backend"]:
-            backend = dict(data["backend"])
-            old = backend.pop("mixed_precision")
-            data = dict(data) | {"backend": backend}
-            if old == "bf16":
-                data.setdefault("precision", "bf16")
-        return data
+    def _stored_spec(cls, data: Any) -> Any:
+        """A spec written by an earlier version reads as today's (miles_train.stored)."""
+        return upgrade_train_spec(data)
 
     @model_validator(mode="after")
     def _teacher_for_distill(self) -> TrainConfig:
@@ -321,9 +299,9 @@ class TrainConfig(_Strict):
             raise ValueError("algorithm distill needs train.teacher: the teacher's HF model folder")
         if self.teacher and not distill:
             raise ValueError(f"train.teacher is the teacher of algorithm distill; this job's is {self.algorithm.name}")
-        if distill and self.grpo.kl_coef > 0:
+        if distill and self.algorithm.kl_coef > 0:
             raise ValueError(
-                "algorithm distill: the frozen model is the teacher, so grpo.kl_coef must be 0 (the distillation "
+                "algorithm distill: the frozen model is the teacher, so algorithm.kl_coef must be 0 (the distillation "
                 "signal already is the KL to the teacher)"
             )
         return self
@@ -345,7 +323,7 @@ class TrainConfig(_Strict):
     @property
     def needs_reference(self) -> bool:
         """Whether the trainer holds a frozen second model: the KL reference, or the distillation teacher."""
-        return self.grpo.kl_coef > 0 or self.teacher is not None
+        return self.algorithm.kl_coef > 0 or self.teacher is not None
 
     def reference_path(self, model_path: str) -> str:
         """Where the frozen model is read from: the teacher's folder, else the policy's checkpoint."""

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from miles_train.collate import Collated
 from miles_train.config import CriticConfig, OptimizerConfig
-from miles_train.objectives import aggregate, value_loss
+from miles_train.loss import aggregate, value_loss
 
 log = logging.getLogger(__name__)
 

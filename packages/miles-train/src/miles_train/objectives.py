@@ -1,16 +1,18 @@
-"""Objectives: advantage estimation, policy loss and loss aggregation, one plug-in per algorithm.
+"""Objectives: advantage estimation and the policy term of the loss, one plug-in per algorithm.
 
 `train.algorithm.name` picks a built-in or a user class named by a dotted path; every trainer backend runs it in
-the same shared update (`backends/update.py`), which adds what every algorithm shares around it: truncated or
-masked importance sampling, staleness weights, the KL to the reference (in the loss, or in the reward where the
-algorithm or `kl_in_reward` says so), the entropy bonus, and the aggregation of per-token losses over the global
-minibatch.
+the same update (`backends/update.py`). The objective combines its policy term with the loss terms every algorithm
+shares (miles_train/loss.py: truncated or masked importance sampling, staleness weights, the KL to the reference in
+the loss, the entropy bonus); the KL goes into the reward instead where the algorithm or `kl_in_reward` says so, and
+the per-token losses are aggregated over the global minibatch.
 
 The contract of an objective (subclass `Objective`; built-ins are subclasses too):
 - `advantages(inputs: AdvantageInputs) -> Tensor`: for the whole batch (every rank sees every group), either one
   value per sample, shape [B], or one per token, shape [B, W] aligned with `inputs.mask`.
 - `policy_loss(inputs: LossInputs) -> (loss, clipped)`: per-token losses [b, W] with a gradient to
   `inputs.logprobs`, and where the clip bit (bool [b, W], for the clip fraction).
+- `loss_terms(settings, kl_in_loss, reference) -> LossTerms` (optional): the terms the loss combines; by default
+  the policy term, then the corrections and penalties `train.algorithm` asks for (`LossTerms.standard`).
 - class attributes `name`, `aggregation` (its default) and `kl_in_reward` (its default); `needs_logprobs` when the
   advantages read the old policy's and the frozen model's logprobs; `needs_values` when they read a learned critic
   (`inputs.values`): then `value_targets(inputs) -> Tensor` [B, W] gives what the critic regresses to, and the
@@ -45,6 +47,22 @@ from typing import Any, ClassVar
 import torch
 
 from miles_train.config import ALGORITHMS, AlgorithmConfig
+from miles_train.loss import LossInputs, LossTerms, ObjectiveError, ppo_clip, sequence_log_ratio
+
+__all__ = [  # LossInputs and ObjectiveError belong to an objective's contract; they live in miles_train.loss
+    "BUILTINS",
+    "AdvantageInputs",
+    "LossInputs",
+    "Objective",
+    "ObjectiveError",
+    "build_objective",
+    "check_advantages",
+    "gae",
+    "group_baseline_advantages",
+    "returns_to_go",
+    "token_rewards",
+    "whiten",
+]
 
 EPS = 1e-6
 
@@ -121,81 +139,12 @@ def gae(
     return advantages, (advantages + values) * on
 
 
-def value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token ½(V − R)², or with `clip` c ½·max((V − R)², (V_old + clip(V − V_old, −c, c) − R)²) (PPO's clipped
-    value loss); and where the clipped term is the larger (the value moved further than c, the loss stops following)."""
-    unclipped = (values - returns).square()
-    if clip is None:
-        return 0.5 * unclipped, torch.zeros_like(values, dtype=torch.bool)
-    clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
-    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
-
-
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """(v − mean) / (std + eps) over the masked entries (unbiased std), 0 elsewhere; exactly 0 when they all agree."""
     chosen = values[mask.bool()]
     if chosen.numel() < 2 or bool((chosen == chosen[0]).all()):
         return torch.zeros_like(values)
     return (values - chosen.mean()) / (chosen.std() + eps) * mask
-
-
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token estimate of KL(π‖π_ref) from samples of π, with Δ = log π_ref − log π (Schulman's k1, k2, k3):
-    k1 = −Δ (unbiased, can be negative), k2 = Δ²/2, k3 = e^Δ − Δ − 1 (unbiased, ≥ 0)."""
-    delta = ref_logprobs - logprobs
-    if kind == "k1":
-        return -delta
-    if kind == "k2":
-        return 0.5 * delta.square()
-    if kind == "k3":
-        return torch.exp(delta) - delta - 1.0
-    raise ValueError(f"unknown KL estimator {kind!r}")
-
-
-def ppo_clip(
-    ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float, dual_clip: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """−min(ρA, clip(ρ, 1−low, 1+high)A), and for A < 0 with dual clip c at most −cA (Ye et al. 2020); the loss and
-    where the clip bit (either clip)."""
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    bit = clipped < unclipped
-    if dual_clip is not None:
-        cap = -dual_clip * advantages
-        dual = (advantages < 0) & (loss > cap)
-        loss = torch.where(dual, cap, loss)
-        bit = bit | dual
-    return loss, bit
-
-
-def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[b] mean over each sequence's trained tokens of log π − log π_old (GSPO's length-normalised log ratio)."""
-    return ((logprobs - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-
-
-def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: float, num_sequences: float
-) -> torch.Tensor:
-    """One loss from per-token losses [b, W]. `num_tokens` / `num_sequences` count the whole minibatch on every rank
-    (sequences with at least one trained token), so the sum of each rank's result is the loss of the unsplit batch."""
-    masked = torch.where(mask.bool(), per_token, 0.0)  # not per_token × mask: a NaN off the mask would survive
-    if mode == "token_mean":
-        return masked.sum() / max(num_tokens, 1.0)
-    per_sequence = masked.sum(1)
-    if mode == "seq_mean_token_mean":
-        per_sequence = per_sequence / mask.sum(1).clamp(min=1.0)
-    elif mode != "seq_mean_token_sum":
-        raise ValueError(f"unknown aggregation {mode!r}")
-    return per_sequence.sum() / max(num_sequences, 1.0)
-
-
-def denominators(loss_masks: list[list[int]]) -> tuple[float, float]:
-    """(trained tokens, sequences with at least one trained token) of a minibatch's rows."""
-    counts = [sum(m) for m in loss_masks]
-    return float(sum(counts)), float(sum(1 for n in counts if n > 0))
 
 
 # ---- the contract --------------------------------------------------------------------------------------------
@@ -207,7 +156,7 @@ class AdvantageInputs:
     group_index: list[int]  # [B]: samples of one prompt share a value
     mask: torch.Tensor  # [B, W] float: 1 on trained response tokens (W: the batch's padded width − 1)
     kl_penalty: torch.Tensor | None  # [B, W] kl_coef × KL estimate of each token under the old policy, when in reward
-    normalize_std: bool = True  # train.grpo.normalize_std (grpo's)
+    normalize_std: bool = True  # train.algorithm.normalize_std (grpo's)
     # for an objective with `needs_logprobs`: [B, W] the behaviour policy's and the frozen model's (the reference,
     # or distill's teacher) log-probability of each sampled token, no gradient
     old_logprobs: torch.Tensor | None = None
@@ -223,19 +172,6 @@ class AdvantageInputs:
         if self.kl_penalty is None:
             return self.rewards
         return self.rewards - (self.kl_penalty.double() * self.mask).sum(1)
-
-
-@dataclass
-class LossInputs:
-    """What an objective computes the per-token policy loss from: this rank's rows of one minibatch."""
-
-    logprobs: torch.Tensor  # [b, W] under the current policy, with gradient
-    old_logprobs: torch.Tensor  # [b, W] of the behaviour policy (the ratio's denominator), no gradient
-    advantages: torch.Tensor  # [b, W] per token (a per-sample estimate broadcast over its tokens)
-    mask: torch.Tensor  # [b, W] float
-    clip_low: float  # train.grpo.clip_eps
-    clip_high: float  # train.grpo.clip_eps_high, else clip_eps
-    dual_clip: float | None = None
 
 
 class Objective:
@@ -255,8 +191,14 @@ class Objective:
         raise NotImplementedError(f"objective {self.name} needs values but defines no value_targets")
 
     def policy_loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token losses [b, W] with a gradient to `inputs.logprobs`, and where the clip bit: the clipped ratio."""
         ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
         return ppo_clip(ratio, inputs.advantages, inputs.clip_low, inputs.clip_high, inputs.dual_clip)
+
+    def loss_terms(self, settings: AlgorithmConfig, *, kl_in_loss: bool, reference: bool) -> LossTerms:
+        """The terms this objective's loss combines: `policy_loss`, then what `settings` asks for (an override may
+        drop or add a term: see miles_train.loss)."""
+        return LossTerms.standard(self, settings, kl_in_loss=kl_in_loss, reference=reference)
 
 
 class GRPO(Objective):
@@ -396,10 +338,6 @@ def build_objective(config: AlgorithmConfig) -> Objective:
     return objective
 
 
-class ObjectiveError(ValueError):
-    """What an objective returned cannot be trained on; raised before the optimizer steps."""
-
-
 def check_advantages(
     name: str, value: Any, batch_size: int, width: int, mask: torch.Tensor, what: str = "advantage"
 ) -> torch.Tensor:
@@ -419,30 +357,3 @@ def check_advantages(
         row, col = (int(i) for i in torch.nonzero(bad)[0])
         raise ObjectiveError(f"objective {name}: {what} of sample {row} token {col} is {float(value[row, col])}")
     return torch.where(mask.bool(), value, 0.0).float()  # what lies off the mask (padding, a tool turn) never counts
-
-
-def check_loss(name: str, value: Any, logprobs: torch.Tensor, mask: torch.Tensor, values: bool) -> torch.Tensor:
-    """The per-token loss of `policy_loss`, or ObjectiveError: shape, a gradient, and (`values`) finite values."""
-    if not (isinstance(value, tuple) and len(value) == 2):
-        raise ObjectiveError(f"objective {name}: policy_loss must return (per-token loss, clipped), got {value!r:.80}")
-    loss, clipped = value
-    if not isinstance(loss, torch.Tensor) or loss.shape != logprobs.shape:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ObjectiveError(f"objective {name}: policy loss has shape {shape}; expected {tuple(logprobs.shape)}")
-    if not isinstance(clipped, torch.Tensor) or clipped.shape != logprobs.shape:
-        shape = tuple(clipped.shape) if isinstance(clipped, torch.Tensor) else type(clipped).__name__
-        raise ObjectiveError(f"objective {name}: clipped has shape {shape}; expected {tuple(logprobs.shape)}")
-    if not loss.requires_grad:
-        raise ObjectiveError(
-            f"objective {name}: the policy loss {tuple(loss.shape)} has no gradient (computed without the "
-            "logprobs, or under torch.no_grad)"
-        )
-    if values:
-        bad = ~torch.isfinite(loss.detach()) & mask.bool()
-        if bad.any():
-            row, col = (int(i) for i in torch.nonzero(bad)[0])
-            raise ObjectiveError(
-                f"objective {name}: policy loss {tuple(loss.shape)} is {float(loss[row, col].detach())} at row {row} "
-                f"token {col}"
-            )
-    return loss

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from miles_train.backends.fsdp2 import convert
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
-from miles_train.backends.update import GRPOBackend
+from miles_train.backends.update import TrainerBase
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-class FSDP2Backend(GRPOBackend):
+class FSDP2Backend(TrainerBase):
     """One data-parallel rank of an HF model sharded with FSDP2; gradients are averaged by FSDP2."""
 
     name = "fsdp2"

@@ -16,14 +16,14 @@ import torch.distributed as dist
 from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from miles_train.backends.hf_io import read_hf_state
 from miles_train.backends.megatron import convert, cpu, parallelize
-from miles_train.backends.update import GRPOBackend
+from miles_train.backends.update import TrainerBase
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
 
-class MegatronBackend(GRPOBackend):
+class MegatronBackend(TrainerBase):
     name = "megatron"
 
     def __init__(
@@ -110,7 +110,7 @@ class MegatronBackend(GRPOBackend):
                 use_gloo_process_groups=False,
             )
 
-    # ---- GRPOBackend hooks ---------------------------------------------------------------------
+    # ---- TrainerBase hooks ---------------------------------------------------------------------
     def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
         ids = c.input_ids
         seq = ids.shape[1]

@@ -23,7 +23,7 @@ from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_
 from miles_train.backends.distributed import pad_rows, padded_vocab
 from miles_train.backends.hf_io import read_hf_state
 from miles_train.backends.torchtitan import convert, cpu, parallelize
-from miles_train.backends.update import GRPOBackend
+from miles_train.backends.update import TrainerBase
 from miles_train.collate import Collated
 from miles_train.config import TrainConfig
 
@@ -33,7 +33,7 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-class TorchtitanBackend(GRPOBackend):
+class TorchtitanBackend(TrainerBase):
     name = "torchtitan"
 
     def __init__(
@@ -109,7 +109,7 @@ class TorchtitanBackend(GRPOBackend):
         hf = self.adapter.to_hf(state)
         return {name: t[: self.vocab_size] if name in _VOCAB_ROWS else t for name, t in hf.items()}
 
-    # ---- GRPOBackend hooks ---------------------------------------------------------------------
+    # ---- TrainerBase hooks ---------------------------------------------------------------------
     def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
         logits = model(c.input_ids)  # causal attention; right padding never reaches a real token
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
