@@ -10,34 +10,17 @@ from pathlib import Path
 
 def build_model(folder: Path, hidden: int, layers: int, intermediate: int | None = None, seed: int = 0) -> Path:
     """A random Qwen2 with the arithmetic character tokenizer, saved (once) as an HF folder in fp32."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    from miles_control.tiny_models import save_tiny_model, tiny_model
     from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
-    if (folder / "config.json").exists():
-        return folder
     tokenizer = build_char_tokenizer()
-    torch.manual_seed(seed)
     heads = max(1, hidden // 64)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate or 4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
+    config = tiny_model(
+        "qwen2", tokenizer=tokenizer, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
-    tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(folder)
-    return folder
+    )  # fmt: skip
+    return save_tiny_model(folder, config, tokenizer=tokenizer, seed=seed)
 
 
 def model_bytes(folder: Path) -> int:

@@ -21,31 +21,9 @@ from pathlib import Path
 
 import torch
 
-# family → (transformers config class, its fields). Vocabulary = the arithmetic character tokenizer's
-# (SGLang needs a tokenizer in the folder); widths are the smallest that keep each family's shape.
-FAMILIES = {
-    # Qwen2.5-0.5B/1.5B: q/k/v biases, tied head
-    "qwen2.5": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1_000_000.0}),
-    # Llama 3 (8B): untied head, default RoPE
-    "llama3": ("LlamaConfig", {"tie_word_embeddings": False, "rope_theta": 500_000.0}),
-    # Llama 3.2 (1B/3B): tied head and llama3 RoPE scaling (megatron and torchtitan refuse the scaling)
-    "llama3.2": (
-        "LlamaConfig",
-        {
-            "tie_word_embeddings": True,
-            "rope_parameters": {
-                "rope_type": "llama3",
-                "rope_theta": 500_000.0,
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        },
-    ),
-    # Qwen3: per-head q/k RMSNorm, head_dim wider than hidden / heads, tied head
-    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 16}),
-}
+# The families users bring, as miles_control.tiny_models shapes them (vocabulary: the arithmetic character
+# tokenizer's, since SGLang needs a tokenizer in the folder); megatron and torchtitan refuse llama3.2's RoPE scaling.
+FAMILIES = ("qwen2.5", "llama3", "llama3.2", "qwen3")
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("fsdp2", "megatron", "torchtitan")
 ENGINES = ("hf", "sglang")
@@ -53,31 +31,13 @@ STEPS = 2
 
 
 def build_model(family: str, dtype: str, folder: Path) -> Path:
-    import transformers
-    from transformers import AutoModelForCausalLM
-
+    """A tiny random-weight model of `family` with the arithmetic character tokenizer, saved in `dtype`."""
+    from miles_control.tiny_models import save_tiny_model, tiny_model
     from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    config_class, fields = FAMILIES[family]
-    config = getattr(transformers, config_class)(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **fields,
-    )
-    torch.manual_seed(sum(map(ord, family)))
-    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    config = tiny_model(family, tokenizer=tokenizer, max_position_embeddings=256)
+    return save_tiny_model(folder, config, tokenizer=tokenizer, seed=sum(map(ord, family)), dtype=dtype)
 
 
 TOY_PROMPTS = [[3 + (i % 10), 13, 4 + (i % 7), 16] for i in range(4)]  # "a+b=" in the character vocabulary

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_control.tiny_models import tiny_model
+
 sys.path.insert(0, str(Path(__file__).parent))
 from model_matrix import BACKENDS, DTYPES, FAMILIES  # noqa: E402
 
@@ -62,7 +64,7 @@ def matrix(tmp_path_factory, request):
 def checkpoint_tensors(family: str) -> int:
     """Tensors of a 2-layer model of the family as its checkpoint holds them (a tied head once)."""
     per_layer = 9 + (3 if family.startswith("qwen2") else 0) + (2 if family == "qwen3" else 0)
-    tied = FAMILIES[family][1]["tie_word_embeddings"]
+    tied = tiny_model(family).tie_word_embeddings
     return 2 * per_layer + 2 + (0 if tied else 1)
 
 

@@ -27,22 +27,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A random two-layer Llama with tied embeddings and the arithmetic character tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from miles_control import tiny_models
     from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    config = tiny_models.tiny_model("llama", tokenizer=tokenizer, tie_word_embeddings=True, max_position_embeddings=64)
+    return tiny_models.save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), config, tokenizer=tokenizer)
 
 
 @pytest.mark.parametrize(

@@ -7,29 +7,20 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from miles_control.config import JobSpec
 from miles_control.preflight import JobCheckError, check_job, describe_error, plain_error
+from miles_control.tiny_models import LLAMA3_ROPE, save_tiny_model, tiny_model
 
 
 @pytest.fixture(scope="module")
 def llama32_bf16(tmp_path_factory):
     """A tiny Llama 3.2-style checkpoint: tied head, llama3 RoPE scaling, saved in bf16."""
-    folder = tmp_path_factory.mktemp("llama32")
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    config = tiny_model(
+        "llama3.2", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, rope_parameters=LLAMA3_ROPE | {"factor": 8.0},
     )  # fmt: skip
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("llama32"), config, dtype="bfloat16")
 
 
 def spec(**fields) -> JobSpec:
@@ -50,9 +41,8 @@ def test_pushes_the_engines_would_round_are_refused(llama32_bf16):
 
 
 def test_sglang_weight_check_knows_its_families(llama32_bf16, tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)).save_pretrained(tmp_path)
+    gpt2 = tiny_model("gpt2", vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    save_tiny_model(tmp_path, gpt2)
     sglang = {"engine": {"type": "sglang"}}
     with pytest.raises(JobCheckError, match="sglang engine: config.json model_type: 'gpt2' has no known SGLang"):
         check_job(spec(rollout=sglang), tmp_path)
@@ -75,10 +65,10 @@ def test_a_format_whose_blocks_do_not_fit_the_model_is_refused(llama32_bf16):
 def test_megatron_tensor_parallel_shards_must_be_whole_blocks(tmp_path):
     """Megatron quantizes its own shards: with TP=2 the MLP's down projection holds 96 / 2 = 48 input columns per
     rank, not a whole number of 32-element groups, although 96 is."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path)  # fmt: skip
+    config = tiny_model(
+        "qwen2", vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2
+    )
+    save_tiny_model(tmp_path, config)
     quant = {"quantization": "int4", "quant_group_size": 32}
     backend = {"type": "megatron", "world_size": 2, "tensor_parallel_size": 2}
     with pytest.raises(JobCheckError, match=r"train.quantization: int4 .* intermediate_size / tensor_parallel_size"):
@@ -268,14 +258,14 @@ def test_an_update_mostly_lost_to_rounding_is_reported_once(caplog):
 
 def test_a_critic_folder_must_read_the_policys_token_ids(llama32_bf16, tmp_path):
     """ppo's train.critic.model: an HF folder whose embedding covers the policy's vocabulary (32 ids here)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     ppo = {"algorithm": "ppo", "critic": {"model": str(tmp_path / "none")}}
     with pytest.raises(JobCheckError, match=r"train.critic.model: .*none is not an HF model folder"):
         check_job(spec(train=ppo), llama32_bf16)
-    small = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    LlamaForCausalLM(small).save_pretrained(tmp_path / "small")
+    small = tiny_model(
+        "llama", vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    save_tiny_model(tmp_path / "small", small)
     with pytest.raises(JobCheckError, match="train.critic.model: its vocabulary has 16 ids, the policy's 32"):
         check_job(spec(train={"algorithm": "ppo", "critic": {"model": str(tmp_path / "small")}}), llama32_bf16)
     check_job(spec(train={"algorithm": "ppo", "critic": {"model": str(llama32_bf16)}}), llama32_bf16)

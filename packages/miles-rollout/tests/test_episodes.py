@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
+from miles_control.tiny_models import save_tiny_model, tiny_model
 from miles_rollout import HFEngineConfig, PromptRecord, RolloutConfig, RolloutManager, build_engine
 from miles_rollout.client import EngineClient
 from miles_rollout.config import MultiTurnConfig, SamplingConfig
@@ -57,12 +58,13 @@ class Counter:
 
 
 @pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory, tiny_qwen2):
+def chat_model_dir(tmp_path_factory):
     """A random tiny Qwen2 whose char tokenizer has turn tokens and a chat template."""
     tokenizer = build_char_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": TURN_TOKENS})
     tokenizer.chat_template = TEMPLATE
-    return tiny_qwen2(tmp_path_factory.mktemp("tiny-chat"), tokenizer, max_positions=512)
+    config = tiny_model("qwen2", tokenizer=tokenizer, max_position_embeddings=512)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-chat"), config, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from miles_control.tiny_models import save_tiny_model, tiny_model
 from miles_rollout import HFEngineConfig, build_engine
 from miles_rollout.engines.checks import held_fingerprint
 from miles_sync import DiskSync, build_sender, weight_fingerprint, without_tied_head
@@ -12,14 +13,11 @@ from miles_sync import DiskSync, build_sender, weight_fingerprint, without_tied_
 @pytest.fixture(scope="module")
 def tied_bf16(tmp_path_factory):
     """A tiny Llama as small open models ship: tied head, bf16 weights."""
-    folder = tmp_path_factory.mktemp("tied-bf16")
-    torch.manual_seed(4)
-    config = LlamaConfig(
-        vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    config = tiny_model(
+        "llama", vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tied-bf16"), config, seed=4, dtype="bfloat16")
 
 
 def trained(model_dir):

@@ -75,20 +75,14 @@ def test_packed_needs_fp8_block_on_the_tensor_transport():
 
 
 def tiny_checkpoint(folder: Path) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A random one-layer Qwen2 in bf16 whose projections are whole 128×128 blocks."""
+    from miles_control.tiny_models import save_tiny_model, tiny_model
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-    )
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    config = tiny_model(
+        "qwen2", vocab_size=64, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+    )  # fmt: skip
+    return save_tiny_model(folder, config, dtype="bfloat16")
 
 
 def test_the_packed_checkpoint_loads_in_transformers_as_the_grid_values(tmp_path):

@@ -6,51 +6,27 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from miles_control.tiny_models import tiny_model
 from miles_sync import without_tied_head
 from miles_train.config import TrainConfig
 
 
 def _qwen2(vocab: int = 19) -> tuple[Qwen2Config, dict[str, torch.Tensor]]:
+    config = tiny_model("qwen2", vocab_size=vocab, intermediate_size=48, num_attention_heads=8)
     torch.manual_seed(1)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
     return config, Qwen2ForCausalLM(config).state_dict()
 
 
 def _llama() -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    config = tiny_model("llama", vocab_size=21, intermediate_size=48, num_hidden_layers=1, num_key_value_heads=4)
     torch.manual_seed(2)
-    config = LlamaConfig(
-        vocab_size=21,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    )
     return config, LlamaForCausalLM(config).state_dict()
 
 
 def _qwen3() -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
     """Qwen3: per-head q/k RMSNorm, no biases, a head_dim wider than hidden_size / heads."""
+    config = tiny_model("qwen3", vocab_size=23, intermediate_size=48)
     torch.manual_seed(3)
-    config = Qwen3Config(
-        vocab_size=23,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-    )
     return config, dict(Qwen3ForCausalLM(config).state_dict())
 
 

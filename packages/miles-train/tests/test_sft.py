@@ -2,15 +2,19 @@
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from miles_control import tiny_models
 from miles_train.sft import supervised_finetune
 
 
 def tiny_model() -> torch.nn.Module:
+    """A random one-layer Qwen2 (seed 0)."""
+    config = tiny_models.tiny_model(
+        "qwen2", vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16,
+    )  # fmt: skip
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)  # fmt: skip
     return Qwen2ForCausalLM(config)
 
 

@@ -1,0 +1,115 @@
+"""Tiny random-weight Hugging Face models for the tests, the architecture matrix and the benchmarks: one config
+factory, `tiny_model(family, **overrides)`, and `save_tiny_model`, which writes one (with its tokenizer) to a folder
+once. Built from code at run time, so no weights live in git; not needed at run time."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+# The widths every family starts from: two layers, grouped-query attention (4 query heads share 2 key/value heads),
+# and an odd vocabulary, so that a tensor-parallel layout must pad it. A field the family's config does not take
+# (GPT-2 has no key/value heads, no `intermediate_size`) is left out; the context (`max_position_embeddings`) is the
+# family's unless overridden.
+TINY: dict[str, Any] = {
+    "vocab_size": 19,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+# Llama 3.2's RoPE scaling (`rope_type: llama3`, which megatron and torchtitan refuse)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500_000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+# family → (transformers config class, the fields that set it apart, as the released models ship them)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # q/k/v biases
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
+    # Qwen2.5-0.5B/1.5B: tied head
+    "qwen2.5": (
+        "Qwen2Config",
+        {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+    ),
+    # per-head q/k RMSNorm, head_dim wider than hidden / heads, tied head
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 16}),
+    # no biases anywhere
+    "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
+    # Llama 3 (8B): untied head, default RoPE
+    "llama3": (
+        "LlamaConfig",
+        {"tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0}},
+    ),
+    # Llama 3.2 (1B/3B): tied head and llama3 RoPE scaling
+    "llama3.2": ("LlamaConfig", {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
+    # a family no backend rebuilds and SGLang's weight check does not know
+    "gpt2": ("GPT2Config", {}),
+}
+
+
+def tiny_model(family: str, *, tokenizer: PreTrainedTokenizerBase | None = None, **overrides: Any) -> PretrainedConfig:
+    """The config of a tiny model of `family` (a key of FAMILIES): TINY's widths, the family's own fields, then
+    `overrides` (any field of the family's config, e.g. `tie_word_embeddings=True`). With `tokenizer`, the
+    vocabulary and the padding and end-of-sequence ids are the tokenizer's."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    class_name, family_fields = FAMILIES[family]
+    config_class = getattr(transformers, class_name)
+    takes = set(inspect.signature(config_class.__init__).parameters) | set(config_class.attribute_map)
+    sized = {}
+    if tokenizer is not None:
+        sized = {
+            "vocab_size": len(tokenizer),
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+    base = {name: value for name, value in TINY.items() if name in takes}
+    # copied, so that no config shares a nested field (rope_parameters) with FAMILIES
+    fields = base | copy.deepcopy(family_fields) | sized | overrides
+    return config_class(**fields)
+
+
+def save_tiny_model(
+    folder: str | Path,
+    config: PretrainedConfig,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Random weights for `config`, drawn after `torch.manual_seed(seed)` and saved in `dtype` as an HF folder,
+    with `tokenizer` when given. Written once: a folder that already holds a model is returned as it is, and a new
+    one appears whole or not at all (written next to it, then renamed; an empty folder gives way)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(partial)
+    if folder.exists():
+        folder.rmdir()
+    partial.rename(folder)
+    return folder
