@@ -225,8 +225,8 @@ def test_rewards_over_the_api_are_functions_of_allowed_modules_only(tmp_path, mo
     import sys
 
     from miles_control.api.policy import check_spec
-    from miles_control.api.settings import ServerSettings
     from miles_control.config import JobSpec
+    from miles_control.settings import ServerSettings
 
     plugin = tmp_path / "plug"
     (plugin / "pkg").mkdir(parents=True)
@@ -268,8 +268,8 @@ def test_generate_functions_and_environments_over_the_api_are_of_allowed_modules
     import sys
 
     from miles_control.api.policy import check_spec
-    from miles_control.api.settings import ServerSettings
     from miles_control.config import JobSpec
+    from miles_control.settings import ServerSettings
 
     plugin = tmp_path / "plug"
     (plugin / "agents").mkdir(parents=True)
@@ -308,8 +308,8 @@ def test_a_user_objective_over_the_api_is_a_class_of_an_allowed_module(tmp_path,
     import sys
 
     from miles_control.api.policy import check_spec
-    from miles_control.api.settings import ServerSettings
     from miles_control.config import JobSpec
+    from miles_control.settings import ServerSettings
 
     plugin = tmp_path / "plug"
     (plugin / "algos").mkdir(parents=True)
@@ -332,8 +332,8 @@ def test_a_user_objective_over_the_api_is_a_class_of_an_allowed_module(tmp_path,
 
 def test_limits_are_server_settings(monkeypatch):
     from miles_control.api.policy import check_spec
-    from miles_control.api.settings import ServerSettings
     from miles_control.config import JobSpec
+    from miles_control.settings import ServerSettings
 
     spec = JobSpec.model_validate({"name": "x", "train": {"backend": {"type": "fsdp2", "world_size": 2}}})
     assert check_spec(spec, ServerSettings(cpus=4))[1] == []
@@ -345,8 +345,8 @@ def test_limits_are_server_settings(monkeypatch):
 
 def test_a_plan_needing_more_gpus_than_the_server_has_is_refused_at_submission(monkeypatch):
     from miles_control.api.policy import check_spec, local_gpus
-    from miles_control.api.settings import ServerSettings
     from miles_control.config import JobSpec
+    from miles_control.settings import ServerSettings
 
     def problems(settings: ServerSettings, **fields) -> list[dict]:
         spec = JobSpec.model_validate({"name": "x", "train": {"backend": {"type": "fsdp2", "world_size": 2}}} | fields)
@@ -549,8 +549,8 @@ def test_datasets_hub_ids_map_functions_and_trackers_over_the_api(tmp_path, monk
     root; data.map is a function of an allowed module (read, not imported); a tracker writes under the runs folder
     and names no host (no tracking_uri)."""
     from miles_control.api.policy import check_spec
-    from miles_control.api.settings import ServerSettings
     from miles_control.config import JobSpec
+    from miles_control.settings import ServerSettings
 
     plugin = tmp_path / "plug"
     (plugin / "rows").mkdir(parents=True)

@@ -23,6 +23,7 @@ from miles_rollout import (
 )
 from miles_rollout.client import EngineClient
 from miles_rollout.config import SGLangEngineConfig
+from miles_rollout.protocol import AbortsRequests, LimitsCalls, ReleasesMemory, TimesPushPhases, call_limit
 from miles_sync import (
     TRANSPORTS,
     DiskSync,
@@ -73,6 +74,14 @@ def test_implements_protocol(engine):
     assert isinstance(engine, RolloutEngine)
     assert asyncio.run(engine.health())
     assert engine.weight_version == 0
+
+
+def test_capabilities_are_protocols_the_engine_implements(engine):
+    """What only some engines offer is asked with isinstance, never probed for by name."""
+    assert isinstance(engine, AbortsRequests)
+    offered = {cap.__name__ for cap in (LimitsCalls, ReleasesMemory, TimesPushPhases) if isinstance(engine, cap)}
+    assert offered == {"hf": {"LimitsCalls"}, "sglang": {"ReleasesMemory", "TimesPushPhases"}}[engine.name]
+    assert call_limit(engine) == (1 if engine.name == "hf" else None)
 
 
 def test_generate_shapes_and_limits(engine):

@@ -185,7 +185,7 @@ def schedule_set(
     """Queue a change of live schedule fields; the job applies it at its next step and records it."""
     import yaml
 
-    from miles_control.schedules.control import ScheduleChangeError, queue_schedule_change
+    from miles_control.schedule_changes import ScheduleChangeError, queue_schedule_change
     from miles_control.store import Store
 
     patch, problems = {}, []

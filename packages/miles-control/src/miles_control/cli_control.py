@@ -49,7 +49,7 @@ def serve(
     from pydantic import ValidationError
 
     from miles_control.api.app import create_app
-    from miles_control.api.settings import ServerSettings
+    from miles_control.settings import ServerSettings
 
     given = dict(
         store_url=store, data_dir=data_dir, data_root=data_root, model_root=model_root,

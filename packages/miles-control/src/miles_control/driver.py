@@ -40,9 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     data["store"] = {**data.get("store", {}), "url": args.store}
     data["ray"] = {**data.get("ray", {}), "address": args.ray_address}
     spec = JobSpec.model_validate(data)
-    engine = spec.rollout.engine
-    if args.engine_log_dir and getattr(engine, "log_dir", "") is None:  # sglang's, left to a temporary folder
-        engine.log_dir = args.engine_log_dir
+    if args.engine_log_dir:  # where the engine's servers log when the spec names no folder
+        spec.rollout.engine = spec.rollout.engine.with_log_dir(args.engine_log_dir)
 
     def on_signal(signum, frame):
         log.info("job %d: %s: stopping before the next step", job.id, signal.Signals(signum).name)

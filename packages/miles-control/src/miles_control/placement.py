@@ -10,6 +10,8 @@ anything starts.
   the trainer steps. Colocated jobs therefore run on one node.
 - Each SGLang server runs with `CUDA_VISIBLE_DEVICES` set to its GPUs and `--base-gpu-id 0 --tp-size N`
   (`miles_rollout.engines.sglang.server.server_command`).
+- The engine config answers how many engines run and how many GPUs each holds (`num_engines`,
+  `gpus_per_engine`): the planner names no engine type.
 
 On a cluster without GPUs (`auto` everywhere) the plan is CPU-only: the same bundles as before plans existed.
 """
@@ -20,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_control.config import JobSpec
-from miles_rollout.config import gpus_per_server
 
 PLACEMENT_TIMEOUT_S = 300.0
 
@@ -71,12 +72,8 @@ def make_plan(spec: JobSpec, cluster: dict[str, float], fit: bool = True) -> Pla
     has_gpus = cluster.get("GPU", 0) > 0
     world = spec.train.backend.world_size
     trainer_gpus = (1 if has_gpus else 0) if res.trainer_gpus_per_rank == "auto" else res.trainer_gpus_per_rank
-    launches_servers = engine.type == "sglang" and not engine.urls
-    num_engines = engine.num_engines if engine.type == "sglang" else 1
-    per_engine = 0
-    if launches_servers and engine.device != "cpu":
-        auto = gpus_per_server(engine.extra_args) if has_gpus else 0
-        per_engine = auto if res.rollout_gpus_per_engine == "auto" else int(res.rollout_gpus_per_engine)
+    num_engines = engine.num_engines
+    per_engine = engine.gpus_per_engine(res.rollout_gpus_per_engine, has_gpus)
     plan = Plan(
         mode=res.mode,
         world_size=world,

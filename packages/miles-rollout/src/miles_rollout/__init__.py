@@ -9,7 +9,10 @@ _EXPORTS = {
     **dict.fromkeys(["DataConfig", "EvalConfig", "HFEngineConfig", "RolloutConfig", "SamplingConfig"], "config"),
     "build_engine": "engines",
     "RolloutManager": "manager",
-    **dict.fromkeys(["RolloutEngine", "WeightPushError"], "protocol"),
+    **dict.fromkeys(
+        ["AbortsRequests", "LimitsCalls", "ReleasesMemory", "RolloutEngine", "TimesPushPhases", "WeightPushError"],
+        "protocol",
+    ),
     "register_reward": "rewards",
     "resolve_reward": "rewards",
     **dict.fromkeys(

@@ -2,9 +2,9 @@
 
 Generate functions and the episode runner call `await client.generate(ids, sampling)` per turn, each episode on
 its own; the client gathers the calls made in the same turn of the event loop (every episode whose environment
-has answered) into one `engine.generate` batch. An engine that decodes one batch at a time (`hf`:
-`max_concurrent_calls = 1`) gets the calls that arrive while it decodes as the next batch; an engine that serves
-concurrent calls (SGLang) gets each batch at once.
+has answered) into one `engine.generate` batch. An engine that decodes one batch at a time (`hf`, a `LimitsCalls`
+with `max_concurrent_calls = 1`) gets the calls that arrive while it decodes as the next batch; an engine that
+serves concurrent calls (SGLang) gets each batch at once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import uuid
 from dataclasses import replace
 
 from miles_rollout.episode import check_ids
-from miles_rollout.protocol import RolloutEngine
+from miles_rollout.protocol import AbortsRequests, RolloutEngine, call_limit
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 MAX_CONTINUATIONS = 16  # a partial rollout is continued across at most this many weight pushes, then dropped
@@ -61,7 +61,7 @@ class EngineClient:
         self.vocab_size = vocab_size
         self.batch_calls = batch_calls
         self.num_calls = 0  # engine.generate calls made (batches), for tests and metrics
-        limit = getattr(engine, "max_concurrent_calls", None)  # an engine without it: any number
+        limit = call_limit(engine)
         self._slots = asyncio.Semaphore(limit) if limit else None
         self._pending: list[tuple[GenerateRequest, asyncio.Future]] = []
         self._collector: asyncio.Task | None = None  # the task that will take `_pending` as its batch
@@ -169,18 +169,19 @@ class EngineClient:
 
     async def abort_outstanding(self) -> int:
         """End every request not answered yet: those still waiting for a batch at once (no output, finish reason
-        `abort`), those in the engine through its `abort_requests` where it has one (SGLang's /abort_request, the hf
-        engine's per-request flag; they return what they generated so far, finish reason `abort`); and close the
-        client: a request made afterwards (an episode's next turn) ends at once, aborted. A request still on its way
-        to a server when the abort is sent may run to its end. Returns how many requests were ended."""
+        `abort`), those in the engine where it is an `AbortsRequests` (SGLang's /abort_request, the hf engine's
+        per-request flag; they return what they generated so far, finish reason `abort`); and close the client: a
+        request made afterwards (an episode's next turn) ends at once, aborted. A request still on its way to a
+        server when the abort is sent may run to its end. Returns how many requests were ended."""
         self.closed = True
         waiting, self._pending = self._pending, []
         for request, future in waiting:
             if not future.done():
                 future.set_result(GenerateResult(request.request_id, [], [], FinishReason.ABORT, []))
-        abort = getattr(self.engine, "abort_requests", None)
-        running = [rid for rid, future in self._in_flight.items() if not future.done()] if abort else []
-        if running:
-            await abort(running)  # type: ignore[misc]
+        running: list[str] = []
+        if isinstance(self.engine, AbortsRequests):
+            running = [rid for rid, future in self._in_flight.items() if not future.done()]
+            if running:
+                await self.engine.abort_requests(running)
         self.num_aborted += len(waiting) + len(running)
         return len(waiting) + len(running)

@@ -13,7 +13,7 @@ from miles_rollout.config import RolloutConfig, SamplingConfig
 from miles_rollout.episode import check_sample
 from miles_rollout.generate import BUILTIN, make_context, resolve_generate
 from miles_rollout.prompts import PromptEncoder
-from miles_rollout.protocol import RolloutEngine
+from miles_rollout.protocol import RolloutEngine, call_limit
 from miles_rollout.rewards import resolve_reward, score_all
 from miles_rollout.types import (
     PromptRecord,
@@ -139,7 +139,7 @@ class RolloutManager:
         sampling = self.sampling_params(self.config.sampling)
         # an engine that batches concurrent calls itself (SGLang) answers each request when it is done; one that
         # decodes a batch at a time (hf) gets batches, and what waits behind a running one is what an abort saves
-        concurrent = getattr(self.engine, "max_concurrent_calls", None) is None
+        concurrent = call_limit(self.engine) is None
         client = EngineClient(
             self.engine, self.vocab_size, batch_calls=not concurrent, continue_aborted=self.config.partial_rollouts
         )

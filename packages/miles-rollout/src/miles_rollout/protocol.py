@@ -39,13 +39,11 @@ class RolloutEngine(Protocol):
     `generate` is async and batched. `pause(mode)` stops decoding: `in_place` and `retract` hold
     in-flight requests until `resume()`, `abort` ends them with finish reason `abort`.
 
-    Optional: `async abort_requests(request_ids)` ends those requests alone (finish reason `abort`, with what they
-    generated so far); `EngineClient.abort_outstanding` uses it (dynamic sampling's surplus). Both built-in engines
-    have it; an engine without it lets the surplus finish, and the manager discards it.
+    What only some engines offer is a capability below (`AbortsRequests`, `LimitsCalls`, `ReleasesMemory`,
+    `TimesPushPhases`): callers ask with `isinstance`, as miles_sync's receivers ask an engine for theirs.
     """
 
     name: str
-    max_concurrent_calls: int | None  # generate() calls it serves at once (None: any); EngineClient batches to it
 
     @property
     def weight_version(self) -> int: ...
@@ -86,3 +84,51 @@ class RolloutEngine(Protocol):
     def weight_fingerprint(self) -> str: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class AbortsRequests(Protocol):
+    """An engine that ends chosen requests while the others go on (finish reason `abort`, with what they generated so
+    far). `EngineClient.abort_outstanding` uses it for dynamic sampling's surplus; an engine without it lets the
+    surplus finish, and the manager discards it."""
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """End these requests now; the others go on."""
+        ...
+
+
+@runtime_checkable
+class LimitsCalls(Protocol):
+    """An engine that serves at most `max_concurrent_calls` `generate()` calls at once (the hf engine decodes one
+    batch at a time): `EngineClient` gathers the calls that arrive meanwhile into the next batch. An engine without
+    it serves any number of concurrent calls and batches them itself (SGLang)."""
+
+    max_concurrent_calls: int
+
+
+def call_limit(engine: RolloutEngine) -> int | None:
+    """The `generate()` calls `engine` serves at once; None: any number."""
+    return engine.max_concurrent_calls if isinstance(engine, LimitsCalls) else None
+
+
+@runtime_checkable
+class ReleasesMemory(Protocol):
+    """An engine that gives its GPU memory (weights and KV cache) back while a colocated trainer steps, and takes it
+    again before the next push (`resources.mode: colocated`; the engine config's `releases_memory` says so before
+    anything starts)."""
+
+    def release_memory(self) -> None:
+        """Give the GPU memory of weights and KV cache back (before the trainer steps)."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take the memory back (before weights are loaded and generation goes on)."""
+        ...
+
+
+@runtime_checkable
+class TimesPushPhases(Protocol):
+    """An engine that times the inside of a push's phases (waiting to pause, the servers' load, the check), summed
+    into `push_phases` (seconds per phase) until the caller clears it for the next push."""
+
+    push_phases: dict[str, float]

@@ -25,8 +25,8 @@ from miles_control.api.errors import documented
 from miles_control.api.reports import router as reports_router
 from miles_control.api.routes import router
 from miles_control.api.schemas import Health, PresetPublic
-from miles_control.api.settings import ServerSettings
 from miles_control.launch import Launcher
+from miles_control.settings import ServerSettings
 from miles_control.spec import explain, input_loc
 from miles_control.store import JobStatus, Store
 

@@ -21,7 +21,7 @@ from miles_control.api.schemas import (
     ScheduleChangePublic,
     SpecCheck,
 )
-from miles_control.schedules.control import ScheduleChangeError, queue_schedule_change
+from miles_control.schedule_changes import ScheduleChangeError, queue_schedule_change
 from miles_control.store import InvalidTransition, Job, JobStatus, Store
 from miles_rollout.headers import redact_headers
 

@@ -11,8 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from miles_control.api.settings import JobLimits, ServerSettings
 from miles_control.config import JobSpec
+from miles_control.launch.launcher import job_demand
+from miles_control.settings import JobLimits, ServerSettings
 
 Problem = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -66,11 +67,6 @@ def _check_limits(data: dict[str, Any], limits: JobLimits) -> list[Problem]:
         elif not name.startswith("min_") and value > bound:
             problems.append(_problem(loc, f"{value:g} is above this server's limit of {bound:g} ({env})"))
     return problems
-
-
-def job_demand(spec: JobSpec) -> float:
-    """CPUs the job's actors reserve on Ray: every trainer rank, plus the rollout actor."""
-    return spec.train.backend.world_size * spec.ray.trainer_cpus_per_rank + spec.ray.rollout_cpus
 
 
 def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[Problem]]:

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from miles_control.api.settings import ServerSettings
 from miles_control.launch.processes import arg_after, cmdline, process_start
+from miles_control.settings import ServerSettings
 
 
 class Driver(Protocol):

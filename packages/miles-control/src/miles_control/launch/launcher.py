@@ -12,8 +12,6 @@ import threading
 import time
 from datetime import timezone
 
-from miles_control.api.policy import job_demand
-from miles_control.api.settings import ServerSettings
 from miles_control.config import JobSpec
 from miles_control.launch.drivers import (
     Driver,
@@ -24,9 +22,16 @@ from miles_control.launch.drivers import (
     engine_log_dir,
 )
 from miles_control.launch.local_ray import LocalRay
+from miles_control.settings import ServerSettings
 from miles_control.store import FINAL, Attempt, InvalidTransition, JobStatus, Store
 
 log = logging.getLogger(__name__)
+
+
+def job_demand(spec: JobSpec) -> float:
+    """CPUs the job's actors reserve on Ray: every trainer rank, plus the rollout actor (the launcher admits a job
+    when they fit; the API refuses one that never could)."""
+    return spec.train.backend.world_size * spec.ray.trainer_cpus_per_rank + spec.ray.rollout_cpus
 
 
 class Launcher:

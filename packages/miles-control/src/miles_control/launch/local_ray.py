@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from miles_control.api.settings import ServerSettings
 from miles_control.launch.processes import forget_ray_cluster, kill_process_group, port_open
+from miles_control.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from miles_rollout.config import HFEngineConfig, PauseMode
 from miles_rollout.engines.checkpoint import engine_dtype
 from miles_rollout.engines.checks import check_push, group_by_sampling, held_fingerprint
+from miles_rollout.engines.versions import WeightVersions
 from miles_rollout.protocol import WeightPushError
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from miles_sync import WeightHandle, receive
@@ -66,11 +67,11 @@ class HFEngine:
         pad = self.model.config.pad_token_id
         self.pad_token_id = pad if pad is not None else 0
         self._generator = torch.Generator().manual_seed(seed)
-        self._weight_version = 0
         self._wire_dtype: str | None = None  # of the last push: the dtype the weight check compares in
         self._pieces: dict | None = None  # of the last push: the row ranges its senders held (several senders)
-        self._keep_previous = False  # receive(check_later=True): keep what a push overwrites, for roll_back()
-        self._previous: tuple | None = None
+        # snapshot of a replaced version (receive(check_later=True)): the tensors a push overwrote, its wire dtype
+        # and pieces
+        self._versions: WeightVersions[tuple[dict[str, torch.Tensor], str | None, dict | None]] = WeightVersions()
         self._resumed = threading.Event()  # cleared while paused in place: decoding rows wait on it
         self._resumed.set()
         self._open = threading.Event()  # cleared while paused in any mode: a call made meanwhile starts on resume
@@ -81,7 +82,7 @@ class HFEngine:
 
     @property
     def weight_version(self) -> int:
-        return self._weight_version
+        return self._versions.version
 
     def receiver_ranks(self) -> int:
         """Receiving ranks this engine brings to a collective weight push: one (this process)."""
@@ -140,7 +141,7 @@ class HFEngine:
 
         cache = DynamicCache()
         with self._weights_lock:
-            version = self._weight_version  # of the weights these logits come from
+            version = self._versions.version  # of the weights these logits come from
             logits = self.model(
                 input_ids=input_ids,
                 attention_mask=attention,
@@ -177,7 +178,7 @@ class HFEngine:
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
             positions = positions[:, -1:] + 1
             with self._weights_lock:
-                version = self._weight_version
+                version = self._versions.version
                 logits = self.model(
                     input_ids=tokens[:, None],
                     attention_mask=attention,
@@ -211,18 +212,22 @@ class HFEngine:
         return self.model is not None
 
     def receive(self, handle: WeightHandle, check_later: bool = False) -> str:
-        self._keep_previous, self._previous = check_later, None
+        """Load a pushed version (`miles_sync.receive` calls `load_tensors`); with `check_later` the tensors it
+        overwrites are kept for `roll_back()`. A stream that broke changed nothing: the engine keeps its version."""
+        self._versions.begin(check_later)
         try:
             receive(handle, self)  # the transport's receiver calls load_tensors
         except ValueError:
             raise  # refused whole, naming this engine (check_push)
         except Exception as exc:
             # load_tensors reads every bucket before it copies one: a stream that broke changed nothing
-            held = f"the engine still holds version {self._weight_version}"
+            held = f"the engine still holds version {self._versions.version}"
             raise WeightPushError(f"{self.name} engine", handle.weight_version, held, exc) from exc
+        self._versions.done()
         return "" if check_later else self.weight_fingerprint()
 
     def load_tensors(self, handle: WeightHandle, buckets: Buckets) -> None:
+        """Read every bucket, refuse a version the model cannot take whole, then copy it into the model."""
         if handle.packed is not None:
             raise ValueError(
                 f"hf engine: weight version {handle.weight_version} carries packed {handle.packed} weights, which "
@@ -232,7 +237,7 @@ class HFEngine:
         params = dict(self.model.named_parameters())
         # Read everything before touching the model, so a bad version is refused whole.
         tensors = dict(pair for bucket in buckets for pair in bucket)
-        check_push(self.name, handle, set(tensors), set(params), self._weight_version)
+        check_push(self.name, handle, set(tensors), set(params), self._versions.version)
         wrong = [f"{n}: {tuple(t.shape)}, the model's {tuple(params[n].shape)}" for n, t in tensors.items()
                  if t.shape != params[n].shape]  # fmt: skip
         if wrong:
@@ -241,29 +246,28 @@ class HFEngine:
                 f"is not the model's ({'; '.join(wrong[:3])})"
             )
         with self._weights_lock, torch.no_grad():
-            if self._keep_previous:  # for roll_back(): what the pushed tensors overwrite
+            replaced = None
+            if self._versions.keeps_previous:  # for roll_back(): what the pushed tensors overwrite
                 kept = {name: params[name].detach().clone() for name in tensors}
-                self._previous = (kept, self._weight_version, self._wire_dtype, self._pieces)
+                replaced = (kept, self._wire_dtype, self._pieces)
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
-            self._weight_version = handle.weight_version
+            self._versions.took(handle.weight_version, replaced)
             self._wire_dtype = handle.dtype
             self._pieces = handle.pieces
 
     def roll_back(self) -> int:
-        if self._previous is None:
-            raise RuntimeError(f"{self.name} engine: no previous version is kept (receive with check_later=True)")
-        kept, version, wire_dtype, pieces = self._previous
+        """Back to the version a `receive(..., check_later=True)` replaced: its tensors are copied back."""
         params = dict(self.model.named_parameters())
         with self._weights_lock, torch.no_grad():
+            version, (kept, self._wire_dtype, self._pieces) = self._versions.roll_back(f"{self.name} engine")
             for name, tensor in kept.items():
                 params[name].copy_(tensor)
-            self._weight_version, self._wire_dtype, self._pieces = version, wire_dtype, pieces
-        self._previous = None
         return version
 
     def drop_previous(self) -> None:
-        self._previous = None
+        """The check after `receive(..., check_later=True)` passed: the tensors kept for a roll-back go."""
+        self._versions.drop_previous()
 
     def weight_fingerprint(self) -> str:
         """The fingerprint of the weights held, in the dtype of the last push (the engine's own before one)."""

@@ -32,7 +32,8 @@ from miles_rollout.engines.sglang.pause import PauseControl
 from miles_rollout.engines.sglang.recovery import recover
 from miles_rollout.engines.sglang.router import Router, Slot
 from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer, use_cpu
-from miles_rollout.engines.sglang.weights import WeightLoader, WeightMismatchError, folder_tensors
+from miles_rollout.engines.sglang.weights import HeldCopy, WeightLoader, WeightMismatchError, folder_tensors
+from miles_rollout.engines.versions import WeightVersions
 from miles_rollout.protocol import WeightPushError, release_frames
 from miles_rollout.types import GenerateRequest, GenerateResult
 from miles_sync import WeightHandle, without_tied_head
@@ -43,8 +44,7 @@ __all__ = ["SGLangEngine", "WeightMismatchError"]
 class SGLangEngine:
     """One or more SGLang servers behind one `RolloutEngine`."""
 
-    name = "sglang"
-    max_concurrent_calls = None  # the servers take concurrent calls (the router balances them)
+    name = "sglang"  # serves concurrent calls (the router balances them): not a `LimitsCalls`
 
     def __init__(
         self,
@@ -71,10 +71,9 @@ class SGLangEngine:
         self._dtype_name = engine_dtype(config.dtype, model_path)
         self.param_dtype = getattr(torch, self._dtype_name)
         self._tied = tied_embeddings(model_path)
-        self._weight_version = 0
+        self._versions: WeightVersions[HeldCopy] = WeightVersions()  # held, and replaced by a check_later push
         self._delta_base = 0  # the version a delta push may change: -1 after a failed load
         self.push_phases: dict[str, float] = {}  # seconds inside the last push's phases (pause, load), for its span
-        self._previous_version: int | None = None  # receive(check_later=True): the version roll_back() returns to
         self._calls = ServerCalls(config.request_timeout_s)
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="miles-sglang-"))
         # Packed weights are checked in transit (the fingerprint of what the servers received), not on the
@@ -107,10 +106,12 @@ class SGLangEngine:
             self._check_reachable(slot.url)
         # A checkpoint may still carry the head of a tied model; SGLang skips it, and so does the check.
         initial = list(without_tied_head(folder_tensors(self.model_path), self._tied))
-        self._weights = WeightLoader(self.name, self.slots, self._calls, self._dtype_name, initial, self.packed)
+        self._weights = WeightLoader(
+            self.name, self.slots, self._calls, self._dtype_name, initial, self.packed, self._versions
+        )
         if self._server_check:  # before the router's health checks start
             for slot in self.slots:
-                self._weights.verify(slot, self._weight_version)
+                self._weights.verify(slot, self._versions.version)
         self.router = Router(self.slots, self._recover, config.health_interval_s, config.health_timeout_s, self._busy)
         self._pause = PauseControl(self.slots, self.router, self._calls)
         self._dispatcher = Dispatcher(config, self.slots, self.router)
@@ -145,7 +146,7 @@ class SGLangEngine:
 
     @property
     def weight_version(self) -> int:
-        return self._weight_version
+        return self._versions.version
 
     def receiver_ranks(self) -> int:
         """Receiving ranks this engine brings to a collective weight push: itself (the verifier) and every server
@@ -210,23 +211,20 @@ class SGLangEngine:
         that fails once a server was touched (a load, or the check after it) is rolled back: the version held
         before is reloaded into every server and verified (`_roll_back`)."""
         with self._busy:
-            held = self._weight_version
-            self._previous_version = None
+            self._versions.begin(check_later)
             try:
                 self._weights.timing = {}
-                self._weights.load(handle, self._delta_base)
+                self._weights.load(handle, self._delta_base)  # takes the version (`_versions.took`)
                 for part, seconds in self._weights.timing.items():
                     self._add_phase(f"load/{part}", seconds)
-                self._weight_version = handle.weight_version
                 if self._server_check and not check_later:
                     began = time.time()
                     for slot in [s for s in self.slots if s.admitted]:
-                        self._weights.verify(slot, self._weight_version)
+                        self._weights.verify(slot, self._versions.version)
                     self._add_phase("load/verify", time.time() - began)
             except BaseException as exc:
-                if self._weights.previous is not None:  # the version was taken: the one before is current again
-                    self._weights.take_previous()
-                self._weight_version = held
+                if (replaced := self._versions.failed()) is not None:  # the version was taken: back to the one before
+                    self._weights.reinstate(replaced)
                 if not self._weights.servers_touched and isinstance(exc, ValueError):
                     raise  # refused whole before any server was asked to load: names this engine
                 if not isinstance(exc, Exception):
@@ -237,20 +235,16 @@ class SGLangEngine:
                 self._delta_base = -1 if self._weights.servers_touched else self._delta_base
                 release_frames(exc)  # the failed stream's buffers go before the previous version is loaded
                 raise WeightPushError(self.describe(), handle.weight_version, self._roll_back(), exc) from exc
-            if check_later:
-                self._previous_version = held
-            else:
-                self._weights.previous = None
+            self._versions.done()
             self._delta_base = handle.weight_version
         return "" if check_later else self._weights.fingerprint
 
     def roll_back(self) -> int:
+        """Back to the version a `receive(..., check_later=True)` replaced: reloaded into every admitted server from
+        this process's copy, and verified (with `verify_weights`)."""
         with self._busy:
-            if self._weights.previous is None or self._previous_version is None:
-                raise RuntimeError(f"{self.describe()}: no previous version is kept (receive with check_later=True)")
-            version, self._previous_version = self._previous_version, None
-            self._weights.take_previous()
-            self._weight_version = version
+            version, replaced = self._versions.roll_back(self.describe())
+            self._weights.reinstate(replaced)
             self._delta_base = -1
             restored = self._weights.restore(version, self._server_check)
             if self._server_check and len(restored) == len(self.slots):
@@ -258,8 +252,9 @@ class SGLangEngine:
             return version
 
     def drop_previous(self) -> None:
+        """The check after `receive(..., check_later=True)` passed: the copy kept for a roll-back goes."""
         with self._busy:
-            self._weights.previous, self._previous_version = None, None
+            self._versions.drop_previous()
 
     def describe(self) -> str:
         """This engine in an error message: its servers' addresses."""
@@ -268,7 +263,7 @@ class SGLangEngine:
     def _roll_back(self) -> str:
         """After a failed load: every admitted server back on the version this process holds (a failed push leaves
         the copy as it was), verified against its checksums. What the servers hold now, for the error message."""
-        version = self._weight_version
+        version = self._versions.version
         if not self._weights.servers_touched:
             return f"its servers still hold version {version} (nothing was loaded)"
         restored = self._weights.restore(version, self._server_check)
@@ -287,12 +282,12 @@ class SGLangEngine:
         weights: see `_server_check`). Under the weight lock: a recovery does not reload a server meanwhile."""
         with self._busy:
             for slot in [s for s in self.slots if s.admitted and self.packed is None]:
-                self._weights.verify(slot, self._weight_version)
+                self._weights.verify(slot, self._versions.version)
             return self._weights.fingerprint
 
     def _recover(self, slot: Slot) -> None:
         """Called by the router (health thread, `_busy` held): bring a quarantined slot back in sync."""
-        recover(slot, self.config, self._launch, self._weights, self._weight_version)
+        recover(slot, self.config, self._launch, self._weights, self._versions.version)
 
     def shutdown(self) -> None:
         if self.router is not None:

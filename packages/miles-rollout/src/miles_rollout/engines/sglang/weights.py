@@ -9,7 +9,7 @@ transport a handle came from:
   transport delivers the next one);
 - `join_group`: `/init_weights_update_group` on every server, then per bucket
   `/update_weights_from_distributed` while the trainer sends; this process joins the group too
-  (rank 1) and receives a copy, which is what the check and recovery need.
+  (rank 1) and receives a copy, which is what the check and recovery need (`group.py`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,18 @@ from safetensors.torch import load_file
 
 from miles_rollout.engines.checks import check_names, check_push, held_fingerprint
 from miles_rollout.engines.sglang.calls import ServerCalls, on_admitted, tp_size
+from miles_rollout.engines.sglang.group import group_ranks, receive_through_group
 from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.pause import PauseControl
 from miles_rollout.engines.sglang.router import Router, Slot
 from miles_rollout.engines.sglang.server import EngineStartError
 from miles_rollout.engines.sglang.stream import BucketStream
+from miles_rollout.engines.versions import WeightVersions
 from miles_sync import BroadcastHandle, DiskHandle, NamedTensor, WeightHandle, receive, weight_fingerprint
 from miles_sync.protocol import Buckets
+
+HeldCopy = tuple[list[NamedTensor], str | None, dict | None]
+"""A version as this process keeps it: its HF tensors, and the wire dtype and pieces of the push that brought it."""
 
 
 class WeightMismatchError(RuntimeError):
@@ -48,7 +53,9 @@ def folder_tensors(folder: Path) -> list[NamedTensor]:
 
 
 class WeightLoader:
-    """Loads versions into the admitted servers and checks them; `current` is the version they must hold."""
+    """Loads versions into the admitted servers and checks them; `current` is the version they must hold. Taking a
+    version records it in `versions` (the engine's; a loader of its own by default), with this process's copy of
+    the one it replaces."""
 
     def __init__(
         self,
@@ -58,8 +65,10 @@ class WeightLoader:
         dtype_name: str,
         initial: list[NamedTensor],
         packed: str | None = None,
+        versions: WeightVersions[HeldCopy] | None = None,
     ) -> None:
         self.name, self.slots, self.calls = name, slots, calls
+        self.versions: WeightVersions[HeldCopy] = WeightVersions() if versions is None else versions
         self.packed = packed  # the format pushes must carry packed (the servers hold that layout), or None
         self.router: Router | None = None  # attach(): loading needs them, the start-up check does not
         self.pause: PauseControl | None = None
@@ -69,8 +78,6 @@ class WeightLoader:
         self.held_version = 0  # what the servers hold before a load (a delta push must be based on it)
         self.servers_touched = False  # set by each load: whether a server was asked to load part of it
         self.timing: dict[str, float] = {}  # seconds in the parts of the last load (disk: read, servers, take)
-        self.previous: tuple | None = None  # (tensors, wire dtype, pieces) of the version a load replaced, for
-        # roll_back() and for taking it back when the check after a load fails; dropped by the next load
         self._pinned: dict[int, list[str]] = {}  # per server that failed a load: shared files it may still map
         self.set_current(initial)
 
@@ -135,15 +142,14 @@ class WeightLoader:
             )
 
     def _take(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
-        self.previous = (self.current, self.wire_dtype, self.pieces)
+        # the copy it replaces: for roll_back(), and for taking it back when the check after the load fails
+        self.versions.took(handle.weight_version, (self.current, self.wire_dtype, self.pieces))
         self.wire_dtype, self.pieces = handle.dtype, handle.pieces
         self.set_current(tensors)
 
-    def take_previous(self) -> None:
-        """The kept previous version becomes the current one again (the servers are then `restore`d to it)."""
-        assert self.previous is not None
-        tensors, self.wire_dtype, self.pieces = self.previous
-        self.previous = None
+    def reinstate(self, copy: HeldCopy) -> None:
+        """A replaced version becomes the current one again (the servers are then `restore`d to it)."""
+        tensors, self.wire_dtype, self.pieces = copy
         self.set_current(tensors)
 
     def verify(self, slot: Slot, version: int) -> None:
@@ -169,7 +175,6 @@ class WeightLoader:
         join the collective group) or `load_tensors` (this process hands them its tensors in shared memory)."""
         self.held_version = held_version
         self.servers_touched = False  # True once a server was asked to load part of this version
-        self.previous = None
         receive(handle, self)
 
     def restore(self, version: int, check: bool) -> list[Slot]:
@@ -366,110 +371,19 @@ class WeightLoader:
 
     def receiver_ranks(self) -> int:
         """Ranks this engine takes in a collective weight group: itself (the verifier) and every server rank."""
-        return 1 + sum(tp_size(s) for s in self.slots)
+        return group_ranks(self.slots)[1] - 1
 
     def join_group(self, handle: BroadcastHandle, receive_as: Callable[[int], Buckets]) -> None:
-        """Every server joins the handle's group; this process joins as rank 1 and keeps a copy.
-
-        Ranks: 0 the trainer, 1 this process, then each server's `rank_offset + tp_rank`. A server that is
-        quarantined cannot take its ranks, so this process stands in for them (and the server gets the
-        weights when it is re-admitted)."""
-
-        group, layout = handle.group, handle.layout
-        published = {n for bucket in layout for n, _, _ in bucket}
+        """Every server joins the handle's group; this process joins as rank 1 and keeps a copy (`group.py`). A
+        version the engine refuses, or a group of the wrong size, is refused before any server is touched."""
+        published = {n for bucket in handle.layout for n, _, _ in bucket}
         check_push(self.name, handle, published, self.names, self.held_version)
-        offsets, next_rank = {}, 2
-        for slot in self.slots:
-            offsets[slot.index] = next_rank
-            next_rank += tp_size(slot)
-        if group.world_size != next_rank:
+        offsets, num_ranks = group_ranks(self.slots)
+        if handle.group.world_size != num_ranks:
             raise ValueError(
-                f"sglang engine: the weight group has {group.world_size} ranks but the trainer, this engine "
-                f"and its servers need {next_rank}; build the sender with receiver_ranks={next_rank - 1}"
+                f"sglang engine: the weight group has {handle.group.world_size} ranks but the trainer, this engine "
+                f"and its servers need {num_ranks}; build the sender with receiver_ranks={num_ranks - 1}"
             )
-        admitted = [s for s in self.slots if s.admitted]
-        standins = [
-            r for s in self.slots if not s.admitted for r in range(offsets[s.index], offsets[s.index] + tp_size(s))
-        ]
-        name = group.group_name
         self.servers_touched = True
-        pool = ThreadPoolExecutor(max_workers=len(admitted) + len(standins) + 1)
-        sessions: set[str] = set()  # servers inside /begin_weight_update … /end_weight_update
-        try:
-            # Joining blocks until every rank is there, so all joins run at once.
-            join_body = {
-                "master_address": group.master_address,
-                "master_port": group.master_port,
-                "world_size": group.world_size,
-                "group_name": name,
-                "backend": group.backend,
-            }
-            joins = [
-                pool.submit(
-                    self.calls.post,
-                    s.url,
-                    "/init_weights_update_group",
-                    {**join_body, "rank_offset": offsets[s.index]},
-                    group.timeout_s,
-                )
-                for s in admitted
-            ]
-            mine = receive_as(1)
-            theirs = [receive_as(r) for r in standins]
-            received: list[NamedTensor] = []
-            for index, bucket_layout in enumerate(layout):
-                last = index == len(layout) - 1
-                names, dtypes, shapes = (list(x) for x in zip(*bucket_layout, strict=True))
-                body = {
-                    "names": names,
-                    "dtypes": dtypes,
-                    "shapes": shapes,
-                    "group_name": name,
-                    "load_format": "flattened_bucket",
-                }
-                if last:
-                    body["weight_version"] = str(handle.weight_version)
-                loads = [
-                    pool.submit(
-                        self._load_distributed,
-                        s.url,
-                        {**body, **self._parts()[1].cache_flush_flag(s, last)},
-                        joins[i],
-                        index,
-                        sessions,
-                    )
-                    for i, s in enumerate(admitted)
-                ]
-                stand = [pool.submit(next, it) for it in theirs]
-                received += next(mine)  # this process's share of the collective
-                for f in stand + loads:
-                    f.result(timeout=group.timeout_s)
-            for s in admitted:
-                self.calls.post(s.url, "/destroy_weights_update_group", {"group_name": name})
-        except BaseException:
-            # Let the servers' calls in flight end (a collective that lost a rank ends at the group's timeout), then
-            # close their update and leave the group, so that the engine can load the previous version (restore).
-            pool.shutdown(wait=True, cancel_futures=True)
-            for url in [s.url for s in admitted]:
-                calls = [("/end_weight_update", {})] if url in sessions else []
-                for path, body in [*calls, ("/destroy_weights_update_group", {"group_name": name})]:
-                    try:
-                        self.calls.post(url, path, body)
-                    except Exception:  # noqa: BLE001 - the restore that follows checks the server
-                        pass
-            raise
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        received = receive_through_group(self.calls, self.slots, self._parts()[1], handle, receive_as, offsets)
         self._accept(handle, received)
-
-    def _load_distributed(self, url: str, body: dict, joined, index: int, sessions: set[str]) -> None:
-        joined.result()
-        if index == 0:
-            sessions.add(url)  # before the call: an answer lost on the way still leaves the update open
-            self.calls.post(url, "/begin_weight_update")
-        try:
-            self.calls.post(url, "/update_weights_from_distributed", body)
-        finally:
-            if "weight_version" in body:  # the last bucket
-                sessions.discard(url)
-                self.calls.post(url, "/end_weight_update")
