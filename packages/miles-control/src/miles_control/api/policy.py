@@ -126,18 +126,17 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
     for key in ("master_address", "master_port"):  # as engine `urls`: a job over the API names no host to contact
         if key in spec.sync.model_fields_set:
             problems.append(_problem(("sync", key), "the server chooses the weight group's rendezvous; leave it out"))
-    engine = data["rollout"]["engine"]
-    if engine["type"] == "sglang":
-        if engine["extra_args"]:
-            problems.append(
-                _problem(("rollout", "engine", "extra_args"), "extra SGLang flags are not accepted over the API")
-            )
-        if engine["urls"]:
-            problems.append(
-                _problem(("rollout", "engine", "urls"), "attaching to servers by URL is not accepted over the API")
-            )
-        if engine["log_dir"] is not None:
-            engine["log_dir"] = confined(runs, engine["log_dir"], ("rollout", "engine", "log_dir"), "log folder")
+    engine = data["rollout"]["engine"]  # by the fields an engine kind has, whichever kind it is
+    if engine.get("extra_args"):
+        problems.append(
+            _problem(("rollout", "engine", "extra_args"), "extra SGLang flags are not accepted over the API")
+        )
+    if engine.get("urls"):
+        problems.append(
+            _problem(("rollout", "engine", "urls"), "attaching to servers by URL is not accepted over the API")
+        )
+    if engine.get("log_dir") is not None:
+        engine["log_dir"] = confined(runs, engine["log_dir"], ("rollout", "engine", "log_dir"), "log folder")
     problems.extend(_check_limits(data, settings.limits))
     problems.extend(_check_plugins(spec, settings))
     if spec.rollout.remote_reward is not None:
