@@ -5,21 +5,24 @@ The maths of each objective is checked by hand in packages/miles-train/tests/tes
 and minibatches in test_backend_contract.py; here, whole jobs."""
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from miles_control.bench_algorithms import AlgorithmResult, algorithm_result
 from miles_control.store import Store
+from miles_control.summary import summarize
+from miles_control.sweep import recorded_variants
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 SMALL = ("rollout.engine.type=hf", "rollout.num_prompts_per_step=16", "rollout.eval.num_prompts=50")
 
 
-def bench(tmp_path: Path, steps: int, algorithms: str, *overrides: str) -> tuple[str, Path]:
+def bench(tmp_path: Path, steps: int, algorithms: str, *overrides: str) -> Path:
+    """Run `miles bench algorithms`; returns its output folder."""
     out = tmp_path / "bench"
     args = [
         sys.executable,
@@ -34,36 +37,43 @@ def bench(tmp_path: Path, steps: int, algorithms: str, *overrides: str) -> tuple
         args += ["--set", o]
     result = subprocess.run(args, capture_output=True, text=True, timeout=3000, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    return (out / "report.md").read_text(), out
+    return out
 
 
-def rows(report: str, names: list[str]) -> dict[str, list[str]]:
-    found = {}
-    for line in report.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if cells[0] in names and cells[0] not in found:
-            found[cells[0]] = cells
-    return found
+def results(out: Path) -> dict[str, AlgorithmResult]:
+    """Each algorithm's measures, read back from the jobs the bench recorded in its store (not from its report)."""
+    store = Store(f"sqlite:///{out}/bench.db")
+    jobs = recorded_variants(store)
+    return {name: algorithm_result(store, name, summarize(store, job_id)) for name, job_id in jobs.items()}
 
 
-@pytest.mark.extended  # the default run's learning run below reads the same report and plots of four algorithms
+def check_measures(r: AlgorithmResult, steps: int) -> tuple[float, float, float]:
+    """Assert that the algorithm's job ran every step with every measure; returns its held-out accuracy first, last
+    and best (evaluated before training and after the last step)."""
+    assert (r.summary.status, r.summary.num_steps) == ("succeeded", steps), (r.name, r.summary)
+    accuracy = [a for _, a in r.summary.eval_accuracy]
+    assert len(accuracy) == 2 and all(0 <= a <= 1 for a in accuracy), (r.name, r.summary.eval_accuracy)
+    assert r.step_s > 0 and 0 < r.train_share < 1, (r.name, r.step_s, r.train_share)
+    assert r.generated_per_trained == pytest.approx(1.0, abs=1e-6), r.name
+    return accuracy[0], accuracy[-1], max(accuracy)
+
+
+@pytest.mark.extended  # the default run's learning run below reads the same results and plots of four algorithms
 def test_the_algorithm_bench_reports_each_algorithm(tmp_path):
-    """`miles bench algorithms`, shortened (2 steps, the hf engine): a row per algorithm with every measure, and the
+    """`miles bench algorithms`, shortened (2 steps, the hf engine): a job per algorithm with every measure, and the
     plots. The objectives whose loss differs most from GRPO's: sequence-level (gspo), leave-one-out (rloo), and
     token-level returns with the KL in the reward (reinforce_pp)."""
     names = ["gspo", "rloo", "reinforce_pp"]
-    report, out = bench(tmp_path, 2, ",".join(names), *SMALL, "rollout.eval.every_steps=2", "train.grpo.kl_coef=0.01")
-    found = rows(report, names)
-    assert set(found) == set(names), report
-    for cells in found.values():
-        assert cells[1:3] == ["succeeded", "2"], cells
-        first, last, best = map(float, re.match(r"([\d.]+) → ([\d.]+) \(([\d.]+)\)", cells[3]).groups())
-        assert 0 <= first <= 1 and 0 <= last <= best <= 1, cells
-        step_s, train_share, per_trained = (float(c) for c in cells[5:8])
-        assert step_s > 0 and 0 < train_share < 1 and per_trained == pytest.approx(1.0, abs=1e-6), cells
+    out = bench(tmp_path, 2, ",".join(names), *SMALL, "rollout.eval.every_steps=2", "train.algorithm.kl_coef=0.01")
+    found = results(out)
+    assert set(found) == set(names), found
+    for r in found.values():
+        check_measures(r, 2)
     store = Store(f"sqlite:///{out}/bench.db")
-    algorithms = [job.spec["train"]["algorithm"]["name"] for job in store.jobs()[0]]
-    assert sorted(algorithms) == sorted(names)  # each job ran its own objective
+    algorithms = {name: store.job(r.summary.job_id).spec["train"]["algorithm"]["name"] for name, r in found.items()}
+    assert algorithms == {name: name for name in names}  # each job ran its own objective
+    report = (out / "report.md").read_text()
+    assert all(f"| {name} | succeeded | 2 |" in report for name in names), report
     for png in ("accuracy_vs_step.png", "accuracy_vs_wall.png", "reward_vs_step.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
@@ -87,21 +97,21 @@ def test_every_algorithm_learns_the_demo_on_the_hf_engine(tmp_path, names):
     prompts): held-out accuracy rises above its start by more than 2.5 standard errors (~0.022 each on 500 prompts).
     Measured 0.402 → 0.514 (reinforce_pp_baseline) to 0.544 (reinforce_pp), ppo 0.524; about 2.5 minutes for all
     seven here. On SGLang (docs/results.md) the same 20 steps measured +0.09 (gspo) to +0.15 (dr_grpo). The bench's
-    report and plots are read as well: a row per algorithm with every measure, each job its own objective."""
+    results are read back from its store (a job per algorithm with every measure, each its own objective), and its
+    plots."""
     from miles_train.config import RL_ALGORITHMS
 
     assert set(names) <= set(RL_ALGORITHMS)
-    report, out = bench(tmp_path, 20, ",".join(names), "rollout.engine.type=hf", "rollout.eval.every_steps=20")
-    found = rows(report, names)
-    assert set(found) == set(names), report
-    for name, cells in found.items():
-        assert cells[1:3] == ["succeeded", "20"], cells
-        first, last, best = map(float, re.match(r"([\d.]+) → ([\d.]+) \(([\d.]+)\)", cells[3]).groups())
-        assert last >= first + 0.06 and last <= best <= 1, (name, cells)
-        step_s, train_share, per_trained = (float(c) for c in cells[5:8])
-        assert step_s > 0 and 0 < train_share < 1 and per_trained == pytest.approx(1.0, abs=1e-6), cells
+    out = bench(tmp_path, 20, ",".join(names), "rollout.engine.type=hf", "rollout.eval.every_steps=20")
+    found = results(out)
+    assert set(found) == set(names), found
+    for name, r in found.items():
+        first, last, best = check_measures(r, 20)
+        assert last >= first + 0.06 and last <= best, (name, r.summary.eval_accuracy)
     store = Store(f"sqlite:///{out}/bench.db")
-    assert sorted(job.spec["train"]["algorithm"]["name"] for job in store.jobs()[0]) == sorted(names)
+    assert {name: store.job(r.summary.job_id).spec["train"]["algorithm"]["name"] for name, r in found.items()} == {
+        name: name for name in names
+    }
     for png in ("accuracy_vs_step.png", "accuracy_vs_wall.png", "reward_vs_step.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
@@ -137,6 +147,7 @@ def test_dynamic_sampling_keeps_uniform_groups_from_the_trainer(tmp_path):
     for d, n, surplus in zip(dropped, drawn, series("rollout/ds_surplus_groups"), strict=True):
         assert n == 16 + d + surplus  # every drawn prompt is used, dropped, or surplus
     generated, trained = series("rollout/ds_generated_tokens"), series("train/num_tokens")
+    assert len(generated) == 3, generated  # a step each: something to compare
     assert all(g > t for g, t in zip(generated, trained, strict=True))  # dropped groups cost tokens
     [checkpoint] = list((tmp_path / "runs").rglob("step-3"))
     assert json.loads((checkpoint / "rollout.json").read_text()) == {"prompts_drawn": int(sum(drawn))}

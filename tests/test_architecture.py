@@ -262,3 +262,70 @@ def test_the_transport_check_finds_a_conditional(tmp_path):
         "compares .transport",
         "the string 'broadcast'",
     ]
+
+
+# ---- miles-control's folders: the loop never imports the service; each pair of folders in one direction --------
+CONTROL = ROOT / "packages" / "miles-control" / "src" / "miles_control"
+LOOP = {"runtime", "schedules", "run", "recorder", "placement", "preflight", "convert"}
+SERVICE = {"store", "api", "launch", "client"}
+SHARED = {"journal", "status"}  # what the loop needs from a job's record, and the job lifecycle: both sides import
+ONE_WAY = {  # part → the parts it must not import (the other way round is allowed)
+    **dict.fromkeys(LOOP, SERVICE),
+    **dict.fromkeys(SHARED, LOOP | SERVICE),
+    "runtime": SERVICE | {"schedules"},  # schedules drive the runtime
+    "launch": {"api"},  # the API starts launches
+    "store": LOOP | {"api", "launch", "client"},  # the bottom of the service
+}
+
+
+def control_part(module: str) -> str | None:
+    """`miles_control.runtime.job` → `runtime`, `miles_control.run` → `run`; None outside miles_control."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "miles_control" and len(parts) > 1 else None
+
+
+def back_arrows(root: Path) -> list[str]:
+    """Every import under `root` (a miles_control folder) that goes against ONE_WAY, as `file: part → part`."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        part = rel.parts[0].removesuffix(".py")
+        forbidden = ONE_WAY.get(part, set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):  # function-level imports count too
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if control_part(name) in forbidden:
+                    found.append(f"{rel}:{node.lineno}: {part} → {control_part(name)}")
+    return found
+
+
+def test_the_loop_never_imports_the_service():
+    """The loop (runtime, schedules, run, recorder, …) writes through miles_control.journal's protocols, which the
+    store implements; the service side (store, api, launch, client) may import the loop, not the reverse."""
+    parts = {p.name.removesuffix(".py") for p in CONTROL.iterdir() if p.suffix == ".py" or p.is_dir()}
+    named = LOOP | SERVICE | SHARED
+    assert named <= parts, f"a folder named here moved: {sorted(named - parts)}"
+    found = back_arrows(CONTROL)
+    assert not found, "imports against the folder rules:\n" + "\n".join(found)
+
+
+def test_the_folder_check_finds_a_back_arrow(tmp_path):
+    """The check above is not vacuous: a runtime module importing a schedule, a recorder importing the store (inside
+    a function) and a launcher importing the API are all flagged; the allowed direction is not."""
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "job.py").write_text("from miles_control.schedules.buffer import Buffer\n")
+    (tmp_path / "recorder.py").write_text("def f():\n    import miles_control.store.models\n")
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "l.py").write_text("from miles_control.api.policy import check\n")
+    (tmp_path / "schedules").mkdir()
+    (tmp_path / "schedules" / "sync.py").write_text("from miles_control.runtime.job import JobRuntime\n")
+    assert back_arrows(tmp_path) == [
+        "launch/l.py:1: launch → api",
+        "recorder.py:2: recorder → store",
+        "runtime/job.py:1: runtime → schedules",
+    ]

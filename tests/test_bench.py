@@ -2,6 +2,7 @@
 
 import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from miles_control.store import Store
+from miles_control.summary import summarize
+from miles_control.sweep import recorded_variants
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -109,7 +112,10 @@ def test_trainer_bench_reports_every_backend_against_the_plain_loop(tmp_path):
 
 @pytest.mark.extended  # each schedule runs end to end in tests/test_schedules.py; this checks the report's layout
 def test_schedule_bench_report_is_complete(tmp_path):
-    """`miles bench schedules`, shortened: every section, every schedule, every plot (not speed)."""
+    """`miles bench schedules`, shortened: a job per schedule, read back from the bench's store; every section,
+    every schedule and every plot of the report (not speed)."""
+    from miles_control.bench import SCHEDULE_TYPES
+
     out = tmp_path / "bench"
     args = [sys.executable, "-m", "miles_control.cli", "bench", "schedules", str(ROOT / "examples" / "arithmetic.yaml")]
     args += ["--out", str(out), "--steps", "3"]
@@ -117,7 +123,17 @@ def test_schedule_bench_report_is_complete(tmp_path):
         args += ["--set", o]
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
+    store = Store(f"sqlite:///{out}/bench.db")
+    jobs = recorded_variants(store)
+    assert set(jobs) == set(SCHEDULE_TYPES), jobs  # a job per schedule
+    for schedule, job_id in jobs.items():
+        s = summarize(store, job_id)
+        assert (s.schedule, s.status, s.num_steps) == (schedule, "succeeded", 3), s
+        assert len(s.weight_sync_s) == 3 and (s.weight_sync_mean_s or 0) > 0, s.weight_sync_s  # a push per step
+        assert 0 < s.ratio_to_ideal <= 1.0 + 1e-6, s  # nothing beats the ideal overlap bound
     report = (out / "report.md").read_text()
+    [stored] = store.reports("schedules")
+    assert stored.markdown == report and sorted(stored.job_ids) == sorted(jobs.values())
     for section in (
         "## Machine and split",
         "## Workload",
@@ -130,58 +146,64 @@ def test_schedule_bench_report_is_complete(tmp_path):
     ):
         assert section in report, section
     assert re.search(r"Trainer pinned to cores \[\d+(, \d+)*\], rollout actor and its engine to cores \[\d", report)
-    for schedule in ("sync", "one_step_off", "fully_async"):
+    for schedule in SCHEDULE_TYPES:
         rows = [line for line in report.splitlines() if line.startswith(f"| {schedule} |")]
         assert len(rows) == 6, (schedule, rows)  # throughput, stages, busy/idle, push breakdown, time to target, reward
-        pushes = rows[3].split("|")
-        assert int(pushes[2]) == 3 and float(pushes[3]) > 0, rows[3]  # a push per step, with its mean latency
-        assert "| succeeded | 3 |" in rows[0]
-        ratio = float(rows[0].split("|")[-2])
-        assert 0 < ratio <= 1.0 + 1e-6, rows[0]  # nothing beats the ideal overlap bound
     for png in ("reward_vs_wall.png", "reward_vs_step.png", "accuracy_vs_wall.png", "time_breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
 
 def test_precision_bench_quick(tmp_path):
-    """`miles bench precision`, shortened: a row per recipe with every measure; a recipe the job checks refuse is
-    reported, not fatal; training quantized as the rollout is removes the mismatch the quantized rollout causes."""
+    """`miles bench precision`, shortened: a job per recipe with every measure, read back from the bench's store; a
+    recipe the job checks refuse is reported, not fatal; training quantized as the rollout is removes the mismatch
+    the quantized rollout causes."""
+    from miles_control.assets import resolve_model_path
+    from miles_control.bench_precision import recipe_result
+    from miles_control.config import JobSpec
+
     out = tmp_path / "bench"
-    recipes = "fp32,bf16,fp8_block rollout,int4 rollout,int4 rollout + int4 training"
+    names = ["fp32", "bf16", "fp8_block rollout", "int4 rollout", "int4 rollout + int4 training"]
     args = [sys.executable, "-m", "miles_control.cli", "bench", "precision", str(ROOT / "examples" / "quick.yaml")]
-    args += ["--out", str(out), "--steps", "2", "--recipes", recipes, "--set", "rollout.eval.every_steps=2"]
+    args += ["--out", str(out), "--steps", "2", "--recipes", ",".join(names), "--set", "rollout.eval.every_steps=2"]
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    report = (out / "report.md").read_text()
-    rows = {}
-    for line in report.splitlines():
-        cells = [c.strip() for c in line.strip("|").split(" | ")]
-        if cells[0] in recipes.split(","):
-            rows[cells[0]] = cells
-    assert set(rows) == set(recipes.split(",")), report
     # the builtin model's k/v projections have 64 rows: not a whole number of 128×128 blocks
-    assert rows["fp8_block rollout"][1].startswith("refused: sync.quantization: fp8_block"), rows["fp8_block rollout"]
-    measured = {
-        name: [float(c.replace(",", "")) for c in cells[1:9]]
-        for name, cells in rows.items()
-        if "refused" not in cells[1]
-    }
-    for name, (mean, p99, k3, sent, packed, push, step, reward) in measured.items():
-        assert (
-            0 <= mean <= p99 and k3 >= 0 and sent > 0 and packed > 0 and push > 0 and step > 0 and 0 <= reward <= 1
-        ), name
-    assert measured["fp32"][0] < 1e-4  # trainer and engine compute the same fp32 weights
-    assert measured["bf16"][0] > 10 * measured["fp32"][0]  # bf16 compute differs from the fp32 engine
+    assert "fp8_block rollout: refused (sync.quantization: fp8_block" in " ".join(result.stderr.split())
+    store = Store(f"sqlite:///{out}/bench.db")
+    jobs = recorded_variants(store)
+    assert set(jobs) == set(names) - {"fp8_block rollout"}, jobs  # a job per recipe the checks let run
+    specs = {name: JobSpec.model_validate(store.job(job_id).spec) for name, job_id in jobs.items()}
+    model_path = resolve_model_path(specs["fp32"])
+    measured = {}
+    for name, job_id in jobs.items():
+        r = recipe_result(store, name, summarize(store, job_id), specs[name], model_path)
+        assert r.summary is not None and (r.summary.status, r.summary.num_steps) == ("succeeded", 2), name
+        assert len(r.summary.weight_sync_s) == 2 and len(r.summary.reward_by_step) == 2, r.summary
+        mean, p99, k3, sent = (r.metrics[k] for k in ("train/logprob_diff", "train/logprob_diff_p99",
+                                                      "train/mismatch_k3", "sync/bytes"))  # fmt: skip
+        push, step = statistics.fmean(r.summary.weight_sync_s), r.summary.wall_s / r.summary.num_steps
+        reward = r.summary.reward_by_step[-1][1]
+        # NaN (a metric never recorded) fails every comparison
+        assert 0 <= mean <= p99 and k3 >= 0 and sent > 0 and r.packed_bytes > 0, (name, r.metrics)
+        assert push > 0 and step > 0 and 0 <= reward <= 1, (name, push, step, reward)
+        measured[name] = r
+    diff = {name: r.metrics["train/logprob_diff"] for name, r in measured.items()}
+    assert diff["fp32"] < 1e-4  # trainer and engine compute the same fp32 weights
+    assert diff["bf16"] > 10 * diff["fp32"]  # bf16 compute differs from the fp32 engine
     # INT4 rollout: a large mismatch, removed when the trainer computes under the same INT4 weights
-    assert measured["int4 rollout"][0] > 100 * measured["int4 rollout + int4 training"][0]
-    assert measured["int4 rollout"][4] < measured["int4 rollout"][3] / 4  # packed INT4 is far smaller than sent
-    assert measured["fp32"][4] == measured["fp32"][3]
+    assert diff["int4 rollout"] > 100 * diff["int4 rollout + int4 training"]
+    int4, fp32 = measured["int4 rollout"], measured["fp32"]
+    assert int4.packed_bytes < int4.metrics["sync/bytes"] / 4  # packed INT4 is far smaller than sent
+    assert fp32.packed_bytes == pytest.approx(fp32.metrics["sync/bytes"], abs=0.5)
+    # the report: a row per recipe, the plots, stored with its runs (the API and the dashboard's Reports page find
+    # it there), plots included
+    report = (out / "report.md").read_text()
+    assert all(f"| {name} | " in report for name in names), report
     for png in ("mismatch.png", "reward_vs_step.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-    # stored with its runs (the API and the dashboard's Reports page find it there), plots included
-    store = Store(f"sqlite:///{out}/bench.db")
     [stored] = store.reports("precision")
-    assert stored.markdown == report and sorted(stored.job_ids) == [j.id for j in store.jobs()[0]][::-1]
-    assert len(stored.job_ids) == 4 and f"stored as report {stored.id}" in result.stderr  # fp8_block was refused
+    assert stored.markdown == report and sorted(stored.job_ids) == sorted(jobs.values())
+    assert f"stored as report {stored.id}" in result.stderr
     for png in ("mismatch.png", "reward_vs_step.png"):
         assert store.report_file(stored.id, png) == (out / png).read_bytes()
 

@@ -65,7 +65,7 @@ def test_parquet_and_a_hub_model_run_resume_and_reach_every_tracker(tmp_path, mo
             raise KeyboardInterrupt  # as Ctrl-C after step 3: the checkpoint of step 2 is the newest
 
     with pytest.raises(KeyboardInterrupt):
-        run_job(spec, on_step=stop_after_3)
+        run_job(spec, on_step=stop_after_3, store=Store(url))
     store = Store(url)
     job = store.job(1)
     assert job.status == "cancelled" and [c.step for c in store.checkpoints(1)] == [2]

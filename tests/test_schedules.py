@@ -39,14 +39,20 @@ def series(store: Store, name: str) -> dict[int, float]:
 
 def test_sync_is_deterministic_under_a_seed(tmp_path):
     runs = [run(tmp_path / str(i), "rollout.engine.type=hf", "schedule.num_steps=3") for i in range(2)]
-    for name in ("rollout/reward_mean", "train/loss", "train/grad_norm", "eval/accuracy"):
-        assert series(runs[0], name) == series(runs[1], name), name
+    assert [r.job(1).status for r in runs] == ["succeeded", "succeeded"], [r.job(1).error for r in runs]
+    # a value at each of the 3 steps; evaluations before training, at step 2 (every 2 steps) and at the last
+    lengths = {"rollout/reward_mean": 3, "train/loss": 3, "train/grad_norm": 3, "eval/accuracy": 3}
+    for name, length in lengths.items():
+        first, second = series(runs[0], name), series(runs[1], name)
+        assert len(first) == length, (name, first)  # something to compare: two empty series would agree
+        assert first == second, name
 
 
 def test_one_step_off_overlaps_and_stays_one_version_behind(tmp_path):
     store = run(tmp_path, "rollout.engine.type=hf", "schedule.type=one_step_off", "schedule.num_steps=5")
     assert store.job(1).status == "succeeded", store.job(1).error
     staleness = series(store, "async/staleness_max")
+    assert len(staleness) == 5, staleness  # a value per step
     assert staleness[1] == 0 and all(staleness[s] <= 1 for s in staleness), staleness
     assert max(staleness.values()) == 1  # step k trains on data generated before step k−1's weights
     rollouts = store.spans(1, "rollout")
@@ -56,6 +62,7 @@ def test_one_step_off_overlaps_and_stays_one_version_behind(tmp_path):
     )
     assert overlap > 0, "generation of step k+1 never ran while step k trained"
     syncs = store.spans(1, "weight_sync")
+    assert len(syncs) == 5, syncs  # a push per step (update_weights_interval 1)
     assert all(s.attrs["trainer_fingerprint"] == s.attrs["engine_fingerprint"] for s in syncs)
     for s in syncs:  # where each push's time went; the hf engine has no servers to pause or check
         assert set(s.attrs["phases"]) == {"export", "handoff", "pause", "load", "resume"}, s.attrs["phases"]
@@ -99,6 +106,7 @@ def test_fully_async_respects_max_staleness_and_takes_live_changes(tmp_path):
     assert "update_weights_interval: 1 → 2" in events["schedule_change"].message
 
     staleness = series(store, "async/staleness_max")
+    assert len(staleness) == 14, staleness  # a value per step
     assert all(v <= (1 if step < applied_at else 2) for step, v in staleness.items()), staleness
     pushes = {s.step: s.attrs["pause_mode"] for s in store.spans(1, "weight_sync")}
     before = [s for s in pushes if s < applied_at]
@@ -108,7 +116,9 @@ def test_fully_async_respects_max_staleness_and_takes_live_changes(tmp_path):
     assert store.job(1).status == "succeeded"
 
     # every push says where its time went: the phases cover its latency (up to the driver's bookkeeping)
-    for span in store.spans(1, "weight_sync"):
+    syncs = store.spans(1, "weight_sync")
+    assert len(syncs) >= applied_at, syncs  # the pushes before the change and the last step's, at least
+    for span in syncs:
         phases = span.attrs["phases"]
         assert {"export", "handoff", "pause", "pause/probe_wait", "load", "load/verify", "resume"} <= set(phases)
         assert all(v >= -0.01 for v in phases.values()), phases
@@ -143,5 +153,6 @@ def test_partial_rollouts_continue_what_a_push_aborts(tmp_path):
     losses = series(store, "train/loss")
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values()), losses
     syncs = store.spans(1, "weight_sync")
+    assert len(syncs) == 8, syncs  # a push per step (update_weights_interval 1)
     assert all(s.attrs["pause_mode"] == "abort" for s in syncs)
     assert all(s.attrs["trainer_fingerprint"] == s.attrs["engine_fingerprint"] for s in syncs)

@@ -13,9 +13,9 @@ import pytest
 
 from miles_control.config import JobSpec
 from miles_control.recorder import Recorder
+from miles_control.runtime.buffer import Group, StalenessBuffer
 from miles_control.runtime.workers import Evaluated
 from miles_control.schedules import SCHEDULES
-from miles_control.schedules.buffer import Group, StalenessBuffer
 from miles_control.store import Store
 from miles_rollout.types import RolloutBatch, Sample, SamplingParams
 

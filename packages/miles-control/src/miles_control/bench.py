@@ -1,9 +1,9 @@
 """`miles bench schedules`: the same workload under sync, one_step_off and fully_async, side by side.
 
-Each schedule runs as its own job (same spec, same seed, `ray.cpu_split` so that rollout and training
-have their own cores) into one SQLite store under the output folder. The report is computed from the
-recorded spans and metrics only, by `miles_control.summary` (the summary `miles run` prints and the
-dashboard shows):
+Each schedule is a variant of one `sweep` (`miles_control.sweep`): its own job (same spec, same seed,
+`ray.cpu_split` so that rollout and training have their own cores) into one SQLite store under the output
+folder. The report is computed from the recorded spans and metrics only, by `miles_control.summary` (the
+summary `miles run` prints and the dashboard shows):
 
 - throughput: trained samples/s and tokens/s over the loop's wall time (first step start → last end);
 - time per stage: summed span durations;
@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 from miles_control.config import SCHEDULES, FullyAsyncSchedule, JobSpec, as_schedule
-from miles_control.reports import bench_url
-from miles_control.store import Store
-from miles_control.summary import RunSummary, summarize, time_to_accuracy
+from miles_control.summary import RunSummary, time_to_accuracy
+from miles_control.sweep import plot_by_variant, sweep
 
 SCHEDULE_TYPES = tuple(SCHEDULES)
 
@@ -32,53 +31,30 @@ def run_schedules(
     base: JobSpec, out: Path, on_job=lambda schedule, job_id: None, store_url: str | None = None
 ) -> list[RunSummary]:
     """Run `base` once per schedule type into `store_url` (default `out/bench.db`); one summary per schedule."""
-    from miles_control.run import run_job
-
-    out.mkdir(parents=True, exist_ok=True)
-    url = store_url or bench_url(out)
-    store = Store(url)
-    summaries = []
-    for schedule in SCHEDULE_TYPES:
-        data = base.model_dump(mode="json")
-        data["name"] = f"{base.name}-bench-{schedule}"
-        data["schedule"] = as_schedule(base.schedule, schedule).model_dump(mode="json")
-        data["schedule"]["stop_at_accuracy"] = None  # the same number of steps for every schedule
-        data["store"]["url"] = url
-        data["ray"]["cpu_split"] = True
-        spec = JobSpec.model_validate(data)
-        job_id = run_job(spec, store=store)
-        on_job(schedule, job_id)
-        summary = summarize(store, job_id)
-        if not summary.num_steps:
-            raise RuntimeError(f"job {job_id} ({schedule}) recorded no steps: {store.job(job_id).error}")
-        summaries.append(summary)
-    return summaries
+    variants = {
+        schedule: {"schedule": as_schedule(base.schedule, schedule).model_dump(mode="json"), "ray.cpu_split": True}
+        for schedule in SCHEDULE_TYPES
+    }
+    runs = sweep(base, variants, out, store_url, on_run=lambda store, run: on_job(run.name, run.job_id))
+    return [run.summary for run in runs if run.summary is not None]  # without checks, every variant runs
 
 
 def plot(summaries: list[RunSummary], out: Path) -> list[str]:
+    """Write the reward, accuracy and time-breakdown plots into `out`; returns their file names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = []
-    for name, key, xlabel, ylabel in (
-        ("reward_vs_wall.png", "reward_by_wall", "wall time since the first step (s)", "mean rollout reward"),
-        ("reward_vs_step.png", "reward_by_step", "step", "mean rollout reward"),
-        ("accuracy_vs_wall.png", "accuracy_by_wall", "wall time since the first step (s)", "held-out accuracy"),
-    ):
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-        for s in summaries:
-            points = getattr(s, key)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=s.schedule)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / name)
-        plt.close(fig)
-        files.append(name)
+    wall = "wall time since the first step (s)"
+    files = [
+        plot_by_variant(out / name, {s.schedule: getattr(s, key) for s in summaries}, xlabel, ylabel)
+        for name, key, xlabel, ylabel in (
+            ("reward_vs_wall.png", "reward_by_wall", wall, "mean rollout reward"),
+            ("reward_vs_step.png", "reward_by_step", "step", "mean rollout reward"),
+            ("accuracy_vs_wall.png", "accuracy_by_wall", wall, "held-out accuracy"),
+        )
+    ]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     names = [s.schedule for s in summaries]
     ax.bar(names, [s.rollout_busy_s for s in summaries], width=0.35, align="edge", label="rollout busy")
@@ -160,6 +136,7 @@ def time_to_target_table(summaries: list[RunSummary]) -> list[str]:
 
 
 def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -> str:
+    """Write `out/report.md` (and its plots) comparing the schedules; returns its markdown."""
     from miles_control.schedules.fully_async import buffer_capacity
 
     full = as_schedule(spec.schedule, "fully_async")

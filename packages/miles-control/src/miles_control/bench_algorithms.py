@@ -1,7 +1,8 @@
 """`miles bench algorithms`: the same workload under each objective (`train.algorithm`), side by side.
 
-Each algorithm runs as its own job (same spec, same seed, the same number of steps) into one SQLite store under the
-output folder. Per algorithm, from the recorded metrics and spans only (`miles_control.summary`):
+Each algorithm is a variant of one `sweep` (`miles_control.sweep`): its own job (same spec, same seed, the same
+number of steps) into one SQLite store under the output folder. Per algorithm, from the recorded metrics and spans
+only (`miles_control.summary`):
 
 - held-out accuracy at every evaluation, against step and against wall time since the first step;
 - mean rollout reward of the first and the last five steps;
@@ -17,14 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_control.config import JobSpec
-from miles_control.reports import bench_url
 from miles_control.store import Store
-from miles_control.summary import RunSummary, summarize
+from miles_control.summary import RunSummary
+from miles_control.sweep import VariantRun, plot_by_variant, sweep
 from miles_train.config import RL_ALGORITHMS
 
 
 @dataclass
 class AlgorithmResult:
+    """One algorithm's job: its summary, the tokens its rollouts generated and when each step ended."""
+
     name: str
     summary: RunSummary
     generated_tokens: float
@@ -32,7 +35,13 @@ class AlgorithmResult:
 
     @property
     def step_s(self) -> float:
+        """Wall time per step."""
         return self.summary.wall_s / self.summary.num_steps if self.summary.num_steps else 0.0
+
+    @property
+    def train_share(self) -> float:
+        """The share of the wall time spent training."""
+        return self.summary.stage_s.get("train", 0.0) / self.summary.wall_s if self.summary.wall_s else 0.0
 
     @property
     def accuracy_by_wall(self) -> list[tuple[float, float]]:
@@ -41,12 +50,23 @@ class AlgorithmResult:
 
     @property
     def generated_per_trained(self) -> float:
+        """Tokens generated per response token trained on."""
         return self.generated_tokens / self.summary.tokens if self.summary.tokens else 0.0
 
     def reward_mean(self, last: bool) -> float:
+        """Mean rollout reward of the first (or the last) five steps."""
         values = [v for _, v in self.summary.reward_by_step]
         part = values[-5:] if last else values[:5]
         return sum(part) / len(part) if part else float("nan")
+
+
+def algorithm_result(store: Store, name: str, summary: RunSummary) -> AlgorithmResult:
+    """The measures of the job `summary` summarizes, from what it recorded in `store`."""
+    job_id = summary.job_id
+    generated = sum(sp.num_tokens for sp in store.spans(job_id, "rollout") if sp.step >= 1)
+    steps = [s for s in store.steps(job_id) if s.ended_at is not None]
+    step_end = {s.step: s.ended_at - steps[0].started_at for s in steps}
+    return AlgorithmResult(name, summary, float(generated), step_end)
 
 
 def run_algorithms(
@@ -58,58 +78,32 @@ def run_algorithms(
 ) -> list[AlgorithmResult]:
     """Run `base` once per algorithm into `store_url` (default `out/bench.db`); an algorithm's job that fails stops
     the bench."""
-    from miles_control.run import run_job
-
-    out.mkdir(parents=True, exist_ok=True)
-    url = store_url or bench_url(out)
-    store = Store(url)
     results = []
-    for name in names:
-        data = base.model_dump(mode="json")
-        data["name"] = f"{base.name}-bench-{name.replace(':', '-')}"
-        data["train"]["algorithm"] = {**data["train"]["algorithm"], "name": name}
-        data["schedule"]["stop_at_accuracy"] = None  # the same number of steps for every algorithm
-        data["store"]["url"] = url
-        job_id = run_job(JobSpec.model_validate(data), store=store)
-        on_job(name, job_id)
-        summary = summarize(store, job_id)
-        if not summary.num_steps:
-            raise RuntimeError(f"job {job_id} ({name}) recorded no steps: {store.job(job_id).error}")
-        generated = sum(sp.num_tokens for sp in store.spans(job_id, "rollout") if sp.step >= 1)
-        steps = [s for s in store.steps(job_id) if s.ended_at is not None]
-        step_end = {s.step: s.ended_at - steps[0].started_at for s in steps}
-        results.append(AlgorithmResult(name, summary, float(generated), step_end))
+
+    def measure(store: Store, run: VariantRun) -> None:
+        assert run.summary is not None  # without checks, every variant runs
+        on_job(run.name, run.job_id)
+        results.append(algorithm_result(store, run.name, run.summary))
+
+    sweep(base, {name: {"train.algorithm.name": name} for name in names}, out, store_url, on_run=measure)
     return results
 
 
 def plot(results: list[AlgorithmResult], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    files = []
-    for name, xlabel, points in (
-        ("accuracy_vs_step.png", "step", lambda r: r.summary.eval_accuracy),
-        ("accuracy_vs_wall.png", "wall time since the first step (s)", lambda r: r.accuracy_by_wall),
-        ("reward_vs_step.png", "step", lambda r: r.summary.reward_by_step),
-    ):
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-        for r in results:
-            xs, ys = zip(*points(r), strict=True) if points(r) else ((), ())
-            ax.plot(xs, ys, marker=".", label=r.name)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("mean rollout reward" if name.startswith("reward") else "held-out accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / name)
-        plt.close(fig)
-        files.append(name)
-    return files
+    """Write the accuracy and reward plots into `out`; returns their file names."""
+    wall = "wall time since the first step (s)"
+    return [
+        plot_by_variant(out / name, {r.name: points(r) for r in results}, xlabel, ylabel)
+        for name, xlabel, ylabel, points in (
+            ("accuracy_vs_step.png", "step", "held-out accuracy", lambda r: r.summary.eval_accuracy),
+            ("accuracy_vs_wall.png", wall, "held-out accuracy", lambda r: r.accuracy_by_wall),
+            ("reward_vs_step.png", "step", "mean rollout reward", lambda r: r.summary.reward_by_step),
+        )
+    ]
 
 
 def report(results: list[AlgorithmResult], spec: JobSpec, machine: str, out: Path) -> str:
+    """Write `out/report.md` (and its plots) comparing the algorithms; returns its markdown."""
     plots = plot(results, out)
 
     def cell(value) -> str:
@@ -131,7 +125,6 @@ def report(results: list[AlgorithmResult], spec: JobSpec, machine: str, out: Pat
     ]
     for r in results:
         acc = [a for _, a in r.summary.eval_accuracy]
-        train_share = r.summary.stage_s.get("train", 0.0) / r.summary.wall_s if r.summary.wall_s else 0.0
         cells = [
             r.name,
             r.summary.status,
@@ -139,7 +132,7 @@ def report(results: list[AlgorithmResult], spec: JobSpec, machine: str, out: Pat
             f"{acc[0]:.3f} → {acc[-1]:.3f} ({max(acc):.3f})" if acc else "–",
             f"{r.reward_mean(False):.3f} → {r.reward_mean(True):.3f}",
             r.step_s,
-            train_share,
+            r.train_share,
             r.generated_per_trained,
         ]
         lines.append("| " + " | ".join(cell(c) for c in cells) + " |")

@@ -2,9 +2,10 @@
 
 A recipe is a few overrides of the job spec: the trainer's compute precision (`train.precision`), the format the
 pushes quantize the engines' weights to (`sync.quantization`), and whether the trainer fake-quantizes to the same
-format (`train.quantization`, the recipe that matches training to the rollout). Each runs as its own job (same
-spec, same seed) into one SQLite store under the output folder; a recipe the job checks refuse (a format whose
-blocks do not fit the model) is reported with the reason instead of a row of numbers.
+format (`train.quantization`, the recipe that matches training to the rollout). Each recipe is a variant of one
+`sweep` (`miles_control.sweep`): its own job (same spec, same seed) into one SQLite store under the output folder;
+a recipe the job checks refuse (a format whose blocks do not fit the model) is reported with the reason instead of
+a row of numbers.
 
 Per recipe, from the recorded metrics and spans only:
 
@@ -25,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from miles_control.config import JobSpec
-from miles_control.reports import bench_url
 from miles_control.store import Store
-from miles_control.summary import RunSummary, summarize
+from miles_control.summary import RunSummary
+from miles_control.sweep import VariantRun, plot_by_variant, sweep
 
 FORMATS = ("fp8", "fp8_block", "mxfp8", "nvfp4", "int4")
 SAME_AS_SYNC = "same as sync"  # a matching recipe quantizes on the engines' grid, whatever the base spec's
@@ -55,6 +56,8 @@ QUICK = ("fp32", "bf16", "int4 rollout", "int4 rollout + int4 training")
 
 @dataclass
 class RecipeResult:
+    """One recipe: its job's summary and measures, or why the job checks refused it."""
+
     name: str
     overrides: dict[str, Any]
     refused: str | None = None
@@ -63,20 +66,12 @@ class RecipeResult:
     packed_bytes: int = 0
 
 
-def with_overrides(base: JobSpec, overrides: dict[str, Any], **top: Any) -> JobSpec:
-    """`base` with dotted-path fields replaced (and top-level sections merged from `top`)."""
-    data = base.model_dump(mode="json")
-    for path, value in overrides.items():
-        if value == SAME_AS_SYNC:
-            value = data["sync"][path.rsplit(".", 1)[1]]
-        *parents, leaf = path.split(".")
-        node = data
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
-    for key, value in top.items():
-        data[key] = value if not isinstance(value, dict) else {**data.get(key, {}), **value}
-    return JobSpec.model_validate(data)
+def recipe_overrides(base: JobSpec, name: str) -> dict[str, Any]:
+    """The recipe's fields, "same as sync" replaced by `base`'s value of that sync field."""
+    sync = base.sync.model_dump(mode="json")
+    return {
+        path: sync[path.rsplit(".", 1)[1]] if value == SAME_AS_SYNC else value for path, value in RECIPES[name].items()
+    }
 
 
 def packed_push_bytes(model_path: Path, spec: JobSpec) -> int:
@@ -90,6 +85,15 @@ def packed_push_bytes(model_path: Path, spec: JobSpec) -> int:
     return packed_bytes(checkpoint_weights(model_path), spec.sync.quantization, spec.sync.quant_group_size, itemsize)
 
 
+def recipe_result(store: Store, name: str, summary: RunSummary, spec: JobSpec, model_path: Path) -> RecipeResult:
+    """The measures of the recipe's job (`summary`'s), from what it recorded in `store` and the spec it ran."""
+    result = RecipeResult(name, RECIPES[name], summary=summary, packed_bytes=packed_push_bytes(model_path, spec))
+    for key in ("train/logprob_diff", "train/logprob_diff_p99", "train/mismatch_k3", "sync/bytes"):
+        series = [v for step, v in store.metric_series(summary.job_id, key) if step >= 1]
+        result.metrics[key] = statistics.fmean(series) if series else float("nan")
+    return result
+
+
 def run_recipes(
     base: JobSpec,
     out: Path,
@@ -97,48 +101,39 @@ def run_recipes(
     on_job=lambda name, result: None,
     store_url: str | None = None,
 ) -> list[RecipeResult]:
-    """Run `base` once per recipe into `store_url` (default `out/bench.db`)."""
+    """Run `base` once per recipe into `store_url` (default `out/bench.db`); a recipe the job checks refuse is kept
+    with the reason."""
     from miles_control.assets import resolve_model_path
-    from miles_control.preflight import JobCheckError, check_job
-    from miles_control.run import run_job
+    from miles_control.preflight import check_job
 
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
         raise ValueError(f"unknown recipe(s) {', '.join(unknown)}; choose from: {', '.join(RECIPES)}")
-    out.mkdir(parents=True, exist_ok=True)
-    url = store_url or bench_url(out)
-    store = Store(url)
     model_path = resolve_model_path(base)
     results = []
-    for name in names:
-        overrides = RECIPES[name]
-        result = RecipeResult(name, overrides)
-        try:
-            spec = with_overrides(base, overrides, store={"url": url})
-            spec = spec.model_copy(update={"name": f"{base.name}-precision-{len(results)}"})
-            check_job(spec, model_path)
-        except (ValueError, JobCheckError) as exc:
-            result.refused = str(exc).splitlines()[0]
-            results.append(result)
-            on_job(name, result)
-            continue
-        data = spec.model_dump(mode="json")
-        data["schedule"]["stop_at_accuracy"] = None  # the same number of steps for every recipe
-        spec = JobSpec.model_validate(data)
-        job_id = run_job(spec, store=store)
-        result.summary = summarize(store, job_id)
-        if not result.summary.num_steps:
-            raise RuntimeError(f"job {job_id} ({name}) recorded no steps: {store.job(job_id).error}")
-        for key in ("train/logprob_diff", "train/logprob_diff_p99", "train/mismatch_k3", "sync/bytes"):
-            series = [v for step, v in store.metric_series(job_id, key) if step >= 1]
-            result.metrics[key] = statistics.fmean(series) if series else float("nan")
-        result.packed_bytes = packed_push_bytes(model_path, spec)
+
+    def measure(store: Store, run: VariantRun) -> None:
+        if run.summary is None or run.spec is None:
+            result = RecipeResult(run.name, RECIPES[run.name], refused=run.refused)
+        else:
+            result = recipe_result(store, run.name, run.summary, run.spec, model_path)
         results.append(result)
-        on_job(name, result)
+        on_job(run.name, result)
+
+    sweep(
+        base,
+        {name: recipe_overrides(base, name) for name in names},
+        out,
+        store_url,
+        job_name=lambda index, name: f"{base.name}-precision-{index}",
+        check=lambda spec: check_job(spec, model_path),
+        on_run=measure,
+    )
     return results
 
 
 def plot(results: list[RecipeResult], out: Path) -> list[str]:
+    """Write the mismatch and reward plots into `out`; returns their file names."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,22 +150,13 @@ def plot(results: list[RecipeResult], out: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "mismatch.png")
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    for r in ran:
-        assert r.summary is not None
-        points = r.summary.reward_by_step
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=r.name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean rollout reward")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "reward_vs_step.png")
-    plt.close(fig)
-    return ["mismatch.png", "reward_vs_step.png"]
+    rewards = {r.name: r.summary.reward_by_step for r in results if r.summary is not None}
+    reward_plot = plot_by_variant(out / "reward_vs_step.png", rewards, "step", "mean rollout reward", (8, 4.5), 7)
+    return ["mismatch.png", reward_plot]
 
 
 def report(results: list[RecipeResult], spec: JobSpec, machine: str, out: Path) -> str:
+    """Write `out/report.md` (and its plots) comparing the recipes; returns its markdown."""
     plots = plot(results, out)
     lines = [
         "# Precision recipes",

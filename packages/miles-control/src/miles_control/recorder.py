@@ -7,14 +7,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles_control.store import Store
+from miles_control.journal import RunRecords
 
 if TYPE_CHECKING:
     from miles_control.tracking import Trackers
 
 
 class Recorder:
-    def __init__(self, store: Store, job_id: int, trackers: Trackers | None = None) -> None:
+    """One job's records as they happen: into `store` (anything that keeps RunRecords: the job store), and the
+    metrics and span durations to the job's trackers."""
+
+    def __init__(self, store: RunRecords, job_id: int, trackers: Trackers | None = None) -> None:
         self.store = store
         self.job_id = job_id
         self.trackers = trackers

@@ -1,4 +1,5 @@
-"""Run one job from a validated spec: data → model → Ray actors → schedule, recorded in the store.
+"""Run one job from a validated spec: data → model → Ray actors → schedule, recorded in the job's journal (the store,
+which the caller opens: the loop never imports the service side, miles_control.journal).
 
 `miles run` calls it in the terminal's process (a new job row, an "inline" attempt); the API's launcher
 runs it in a driver process (`miles_control.driver`) for a job row and attempt it made already.
@@ -15,9 +16,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from miles_control.config import JobSpec
+from miles_control.journal import JobJournal
 from miles_control.recorder import Recorder
 from miles_control.schedules.control import JobCancelled
-from miles_control.store import InvalidTransition, JobStatus, Store
+from miles_control.status import InvalidTransition, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,7 @@ PhaseCallback = Callable[[str], None]
 StepCallback = Callable[[int, dict[str, float]], None]
 
 
-def _finish(store: Store, job_id: int, status: JobStatus, error: str | None = None) -> None:
+def _finish(store: JobJournal, job_id: int, status: JobStatus, error: str | None = None) -> None:
     try:
         store.set_status(job_id, status, error=error)
     except InvalidTransition as exc:  # already final: e.g. marked failed by the API when the driver was lost
@@ -74,12 +76,14 @@ def run_job(
     spec: JobSpec,
     on_phase: PhaseCallback = lambda phase: None,
     on_step: StepCallback = lambda step, metrics: None,
-    store: Store | None = None,
+    *,
+    store: JobJournal,
     job_id: int | None = None,
     attempt_id: int | None = None,
     plugin_dirs: Sequence[str | Path] = (),
 ) -> int:
-    """Run `spec` to the end and return its job id. The job's row says how it ended; on failure
+    """Run `spec` to the end, recorded in `store` (the job store: `Store(spec.store.url)`), and return its job id.
+    The job's row says how it ended; on failure
     the exception propagates after the reason is stored, and everything recorded so far stays (an error
     raised inside a Ray actor propagates as the actor raised it, without Ray's wrapping).
 
@@ -89,7 +93,6 @@ def run_job(
     from miles_control.preflight import add_plugin_dirs, describe_error, plain_error
 
     add_plugin_dirs(plugin_dirs)
-    store = store or Store(spec.store.url)
     if job_id is None:
         job_id = store.create_job(spec.name, spec.model_dump(mode="json"), status=JobStatus.STARTING)
         attempt = store.start_attempt(job_id, "inline", driver_pid=os.getpid(), driver_host=socket.gethostname())

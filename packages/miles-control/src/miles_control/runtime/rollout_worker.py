@@ -19,7 +19,7 @@ from miles_rollout.protocol import ReleasesMemory, TimesPushPhases
 from miles_sync import WeightHandle
 
 if TYPE_CHECKING:
-    from miles_control.schedules.buffer import StalenessBuffer
+    from miles_control.runtime.buffer import StalenessBuffer
 
 
 class RolloutWorker:
@@ -133,7 +133,7 @@ class RolloutWorker:
 
     def start_stream(self, capacity: int, chunk_prompts: int) -> None:
         """Generate continuously, `chunk_prompts` prompts per call, into a buffer of `capacity` groups."""
-        from miles_control.schedules.buffer import StalenessBuffer
+        from miles_control.runtime.buffer import StalenessBuffer
 
         if self._thread is not None:
             raise RuntimeError("start_stream: the stream already runs")
@@ -145,7 +145,7 @@ class RolloutWorker:
         self._thread.start()
 
     def _stream(self, chunk_prompts: int) -> None:
-        from miles_control.schedules.buffer import Group
+        from miles_control.runtime.buffer import Group
 
         assert self.buffer is not None
         try:

@@ -6,7 +6,6 @@ and the migrations agree."""
 
 from __future__ import annotations
 
-import enum
 from datetime import datetime, timezone
 
 from sqlalchemy import (
@@ -25,6 +24,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from miles_control.status import JobStatus
+
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
@@ -32,15 +33,6 @@ def utcnow() -> datetime:
 
 class Base(DeclarativeBase):
     pass
-
-
-class JobStatus(str, enum.Enum):
-    QUEUED = "queued"
-    STARTING = "starting"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 class Job(Base):

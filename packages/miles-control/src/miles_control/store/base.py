@@ -1,0 +1,73 @@
+"""Opening a store: the engine for its URL, the schema brought up to date, and the sessions every table family's
+methods write and read through."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from miles_control.store.migrate import ensure_schema
+
+
+class StoreError(ValueError):
+    """A store that cannot be opened: a URL of no known database, a server that does not answer, a file that
+    cannot be created. The message names the URL (without its password) and the cause."""
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()
+
+
+def shown_url(url: str) -> str:
+    """`url` as it may be printed: without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return repr(url)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url` (a SQLite file's folder is created; SQLite gets WAL, foreign keys and a busy timeout);
+    StoreError when the URL names no database Miles can open."""
+    try:
+        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite"))
+    except (ArgumentError, NoSuchModuleError) as exc:
+        raise StoreError(
+            f"store {shown_url(url)}: not a database URL Miles can open ({exc}); use sqlite:///PATH or "
+            "postgresql+psycopg://USER:PASSWORD@HOST/DB"
+        ) from None
+    except OSError as exc:
+        raise StoreError(f"store {shown_url(url)}: cannot create its folder ({exc})") from None
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+class StoreBase:
+    """An open store: its URL, its engine and a session factory. The table families (`store/jobs.py`,
+    `store/records.py`, `store/bench_reports.py`) build on it; `Store` composes them."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        try:
+            ensure_schema(self.engine)
+        except (OperationalError, InterfaceError) as exc:
+            raise StoreError(
+                f"store {shown_url(url)}: cannot open it ({' '.join(str(exc.orig or exc).split())})"
+            ) from None
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def session(self) -> Session:
+        """A new session; every write of the store commits at once (`with self.session() as s, s.begin()`)."""
+        return self._sessions()
