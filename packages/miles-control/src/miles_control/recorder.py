@@ -33,21 +33,8 @@ class Recorder:
         num_bytes: int = 0,
         **attrs: Any,
     ) -> None:
-        self.store.add_spans(
-            self.job_id,
-            [
-                dict(
-                    stage=stage,
-                    step=step,
-                    worker=worker,
-                    start=start,
-                    end=end,
-                    num_tokens=num_tokens,
-                    num_bytes=num_bytes,
-                    attrs=attrs,
-                )
-            ],
-        )
+        span = dict(stage=stage, step=step, worker=worker, start=start, end=end)
+        self.store.add_spans(self.job_id, [dict(span, num_tokens=num_tokens, num_bytes=num_bytes, attrs=attrs)])
         if self.trackers is not None:
             self.trackers.log(step, {f"time/{stage}_s": end - start})
 

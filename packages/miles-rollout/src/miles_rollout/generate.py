@@ -27,7 +27,7 @@ from miles_rollout.client import EngineClient
 from miles_rollout.config import RolloutConfig
 from miles_rollout.env import Action, StepResult, environment_factory, parse_tool_call
 from miles_rollout.episode import Episode
-from miles_rollout.plugins import resolve_dotted
+from miles_rollout.plugins import resolve_named
 from miles_rollout.prompts import PromptEncoder
 from miles_rollout.types import FinishReason, PromptRecord, Sample, SampleStatus, SamplingParams, status_of
 
@@ -268,14 +268,9 @@ BUILTIN: dict[str, GenerateFn] = {"single_turn": single_turn, "multi_turn": mult
 
 def resolve_generate(name_or_path: str) -> GenerateFn:
     """A built-in name or a dotted path to an `async def` taking (record, client, sampling, ctx)."""
-    if name_or_path in BUILTIN:
-        return BUILTIN[name_or_path]
-    if "." not in name_or_path and ":" not in name_or_path:
-        raise ValueError(
-            f"rollout.generate: unknown {name_or_path!r}: built-in are {sorted(BUILTIN)}, "
-            "or give a dotted path 'package.module:function'"
-        )
-    fn = resolve_dotted(name_or_path)
+    fn = resolve_named(
+        name_or_path, BUILTIN, f"rollout.generate: unknown {name_or_path!r}: built-in are {sorted(BUILTIN)}"
+    )
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(
             f"rollout.generate: {name_or_path!r} is a {type(fn).__name__}, not an async function "

@@ -10,9 +10,22 @@ server uses.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from miles_sync.plugins import PLUGIN_DIRS_ENV, plugin_dirs_on_path, resolve_dotted
 
-__all__ = ["PLUGIN_DIRS_ENV", "locate_function", "plugin_dirs_on_path", "resolve_dotted"]
+__all__ = ["PLUGIN_DIRS_ENV", "locate_function", "plugin_dirs_on_path", "resolve_dotted", "resolve_named"]
+
+
+def resolve_named(name_or_path: str, builtin: Mapping[str, Any], unknown: str) -> Any:
+    """`builtin[name_or_path]`, else the object at the dotted path `name_or_path`. A bare name that is neither
+    raises ValueError: `unknown` (what is unknown and what is offered), then how to give a dotted path."""
+    if name_or_path in builtin:
+        return builtin[name_or_path]
+    if "." not in name_or_path and ":" not in name_or_path:
+        raise ValueError(f"{unknown}, or give a dotted path 'package.module:function'")
+    return resolve_dotted(name_or_path)
 
 
 def locate_function(path: str, positional: int | None = 1, classes: bool = False, coroutine: bool = False) -> str:

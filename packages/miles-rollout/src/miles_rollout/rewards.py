@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from miles_rollout.plugins import resolve_dotted
+from miles_rollout.plugins import resolve_named
 from miles_rollout.types import Sample
 
 RewardFn = Callable[[Sample], Any]
@@ -106,14 +106,9 @@ def resolve_reward(name_or_path: str, remote: Any = None) -> RewardFn:
         return RemoteReward(remote)
     if name_or_path == "math_verify" and importlib.util.find_spec("math_verify") is None:
         raise ValueError("reward 'math_verify' needs PyPI math-verify: pip install 'miles-rollout[math]'")
-    if name_or_path in _REGISTRY:
-        return _REGISTRY[name_or_path]
-    if "." not in name_or_path and ":" not in name_or_path:
-        raise ValueError(
-            f"unknown reward {name_or_path!r}: registered are {registered_rewards()}, "
-            "or give a dotted path 'package.module:function'"
-        )
-    fn = resolve_dotted(name_or_path)
+    fn = resolve_named(
+        name_or_path, _REGISTRY, f"unknown reward {name_or_path!r}: registered are {registered_rewards()}"
+    )
     if not callable(fn):
         raise ValueError(f"reward {name_or_path!r} resolves to a {type(fn).__name__}, not a function")
     return fn

@@ -6,42 +6,18 @@ and report a fingerprint that must equal the sender's. Exports load lazily (see 
 
 from miles_sync.lazy import lazy_exports
 
-_EXPORTS = {
-    "SyncConfig": "config",
-    "SyncBase": "config",
-    "InprocSync": "config",
-    "DiskSync": "config",
-    "TensorSync": "config",
-    "BroadcastSync": "config",
-    "P2PSync": "config",
-    "sync_config": "config",
-    "Fingerprinter": "fingerprint",
-    "weight_fingerprint": "fingerprint",
-    "WeightReceiver": "protocol",
-    "WeightSender": "protocol",
-    "LoadsTensors": "protocol",
-    "LoadsFolder": "protocol",
-    "JoinsGroup": "protocol",
-    "TRANSPORTS": "transports",
-    "build_sender": "transports",
-    "read_buckets": "transports",
-    "receive": "transports",
-    "needs_receiver_ranks": "transports",
-    "sends_from_every_rank": "transports",
-    "combine": "transports",
-    "TIED_HEAD": "naming",
-    "without_tied_head": "naming",
-    "NamedTensor": "types",
-    "NamedTensors": "types",
-    "WeightHandle": "types",
-    "AnyHandle": "types",
-    "InprocHandle": "types",
-    "DiskHandle": "types",
-    "TensorHandle": "types",
-    "BroadcastHandle": "types",
-    "Rendezvous": "types",
-    "P2PHandle": "types",
-    "SenderPart": "types",
+_EXPORTS = {  # exported name → the submodule that defines it
+    name: module
+    for module, names in {
+        "config": "SyncConfig SyncBase InprocSync DiskSync TensorSync BroadcastSync P2PSync sync_config",
+        "fingerprint": "Fingerprinter weight_fingerprint",
+        "protocol": "WeightReceiver WeightSender LoadsTensors LoadsFolder JoinsGroup",
+        "transports": "TRANSPORTS build_sender read_buckets receive needs_receiver_ranks sends_from_every_rank combine",
+        "naming": "TIED_HEAD without_tied_head",
+        "types": "NamedTensor NamedTensors WeightHandle AnyHandle InprocHandle DiskHandle TensorHandle "
+        "BroadcastHandle Rendezvous P2PHandle SenderPart",
+    }.items()
+    for name in names.split()
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

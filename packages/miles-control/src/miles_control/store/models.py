@@ -32,7 +32,16 @@ def utcnow() -> datetime:
 
 
 class Base(DeclarativeBase):
-    pass
+    # Column types the annotations imply, where SQLAlchemy's own defaults do not fit: aware timestamps, JSON,
+    # and FLOAT (the migrations' type; SQLAlchemy 2.1 would take DOUBLE).
+    type_annotation_map = {datetime: DateTime(timezone=True), dict: JSON, list: JSON, float: Float}
+
+
+class JobRecord:
+    """The columns of every row that belongs to one job: its own id and its job's, deleted with the job."""
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
 
 
 class Job(Base):
@@ -41,73 +50,67 @@ class Job(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(20), default=JobStatus.QUEUED.value)
-    spec: Mapped[dict] = mapped_column(JSON)
+    spec: Mapped[dict]
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
     # Added by migration 0002 (the control plane).
     source: Mapped[str] = mapped_column(String(20), default="cli", server_default="cli")  # cli | api
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
-    updated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, default=utcnow)
+    updated_at: Mapped[datetime | None] = mapped_column(default=utcnow)
 
     __table_args__ = (Index("ix_jobs_status", "status"),)
 
 
-class Attempt(Base):
+class Attempt(JobRecord, Base):
     """One launch of a job: the first run, then one per resume. Says where its driver runs."""
 
     __tablename__ = "attempts"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    number: Mapped[int] = mapped_column(Integer)
+    number: Mapped[int]
     launcher: Mapped[str] = mapped_column(String(20))  # local | ray_job | inline
-    resume_step: Mapped[int] = mapped_column(Integer, default=0)  # the checkpoint step it starts after
-    driver_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    resume_step: Mapped[int] = mapped_column(default=0)  # the checkpoint step it starts after
+    driver_pid: Mapped[int | None]
     driver_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
     submission_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
     log_path: Mapped[str | None] = mapped_column(Text, nullable=True)
     status: Mapped[str] = mapped_column(String(20), default="starting")  # starting | running | ended
     exit_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[datetime | None]
 
     __table_args__ = (Index("ix_attempts_job_number", "job_id", "number", unique=True),)
 
 
-class Checkpoint(Base):
+class Checkpoint(JobRecord, Base):
     """A trainer checkpoint (weights + optimizer) a failed or cancelled job resumes from."""
 
     __tablename__ = "checkpoints"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
-    weight_version: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int]
+    weight_version: Mapped[int]
     path: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     __table_args__ = (Index("ix_checkpoints_job_step", "job_id", "step"),)
 
 
-class GenerationSample(Base):
+class GenerationSample(JobRecord, Base):
     """A few generations of a step, as text, for people to read (the trainer keeps token ids)."""
 
     __tablename__ = "samples"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int]
     prompt: Mapped[str] = mapped_column(Text)
     response: Mapped[str] = mapped_column(Text)
     label: Mapped[str | None] = mapped_column(Text, nullable=True)
-    reward: Mapped[float] = mapped_column(Float)
+    reward: Mapped[float]
     status: Mapped[str] = mapped_column(String(20))
-    weight_versions: Mapped[list] = mapped_column(JSON, default=list)
-    num_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)  # of the response
-    logprobs: Mapped[list | None] = mapped_column(JSON, nullable=True)  # the engine's, one per response token
-    turns: Mapped[list | None] = mapped_column(JSON, nullable=True)  # a multi-turn episode's messages {role, content}
+    weight_versions: Mapped[list] = mapped_column(default=list)
+    num_tokens: Mapped[int | None]  # of the response
+    logprobs: Mapped[list | None]  # the engine's, one per response token
+    turns: Mapped[list | None]  # a multi-turn episode's messages {role, content}
 
     __table_args__ = (Index("ix_samples_job_step", "job_id", "step"),)
 
@@ -120,9 +123,9 @@ class Report(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(40))  # schedules | precision | algorithms | weights
     title: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
     markdown: Mapped[str] = mapped_column(Text)
-    job_ids: Mapped[list] = mapped_column(JSON, default=list)
+    job_ids: Mapped[list] = mapped_column(default=list)
 
 
 class ReportFile(Base):
@@ -148,39 +151,35 @@ class ApiToken(Base):
     scope: Mapped[str] = mapped_column(String(20))  # read | admin
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))  # shown in listings to tell tokens apart
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
 
 
-class Step(Base):
+class Step(JobRecord, Base):
     __tablename__ = "steps"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
-    weight_version: Mapped[int] = mapped_column(Integer)
-    started_at: Mapped[float] = mapped_column(Float)  # unix seconds, like spans
-    ended_at: Mapped[float] = mapped_column(Float)
+    step: Mapped[int]
+    weight_version: Mapped[int]
+    started_at: Mapped[float]  # unix seconds, like spans
+    ended_at: Mapped[float]
 
     __table_args__ = (Index("ix_steps_job_step", "job_id", "step", unique=True),)
 
 
-class Span(Base):
+class Span(JobRecord, Base):
     """One stage of one step on one worker: rollout, reward, train, weight_sync, eval, ..."""
 
     __tablename__ = "spans"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int]
     stage: Mapped[str] = mapped_column(String(40))
     worker: Mapped[str] = mapped_column(String(80))
-    start: Mapped[float] = mapped_column(Float)
-    end: Mapped[float] = mapped_column(Float)
-    num_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    num_bytes: Mapped[int] = mapped_column(Integer, default=0)
-    attrs: Mapped[dict] = mapped_column(JSON, default=dict)
+    start: Mapped[float]
+    end: Mapped[float]
+    num_tokens: Mapped[int] = mapped_column(default=0)
+    num_bytes: Mapped[int] = mapped_column(default=0)
+    attrs: Mapped[dict] = mapped_column(default=dict)
 
     __table_args__ = (Index("ix_spans_job_step", "job_id", "step"),)
 
@@ -189,42 +188,36 @@ class Span(Base):
         return self.end - self.start
 
 
-class Metric(Base):
+class Metric(JobRecord, Base):
     __tablename__ = "metrics"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int]
     name: Mapped[str] = mapped_column(String(80))
-    value: Mapped[float] = mapped_column(Float)
-    wall_time: Mapped[float] = mapped_column(Float)
+    value: Mapped[float]
+    wall_time: Mapped[float]
 
     __table_args__ = (Index("ix_metrics_job_name_step", "job_id", "name", "step"),)
 
 
-class Event(Base):
+class Event(JobRecord, Base):
     __tablename__ = "events"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    step: Mapped[int | None]
     kind: Mapped[str] = mapped_column(String(40))
     message: Mapped[str] = mapped_column(Text)
-    data: Mapped[dict] = mapped_column(JSON, default=dict)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    data: Mapped[dict] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     __table_args__ = (Index("ix_events_job_id", "job_id", "id"),)
 
 
-class ScheduleChange(Base):
+class ScheduleChange(JobRecord, Base):
     """A requested change of a running job's live schedule fields; applied at a step boundary."""
 
     __tablename__ = "schedule_changes"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    patch: Mapped[dict] = mapped_column(JSON)
+    patch: Mapped[dict]
     status: Mapped[str] = mapped_column(String(20), default="pending")  # pending | applied | rejected
     message: Mapped[str] = mapped_column(Text, default="")
-    applied_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    requested_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    applied_step: Mapped[int | None]
+    requested_at: Mapped[datetime] = mapped_column(default=utcnow)

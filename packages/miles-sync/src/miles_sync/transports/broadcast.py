@@ -23,14 +23,11 @@ from miles_sync.config import BroadcastSync
 from miles_sync.protocol import JoinsGroup, LoadsTensors
 from miles_sync.transports.group import (
     GroupSender,
-    advertised,
     aligned,
     dtype_name,
-    flatten,
     gloo_group,
     group_name,
     join_group,
-    listen,
     nbytes,
     unflatten,
 )
@@ -50,36 +47,21 @@ class BroadcastSender(GroupSender):
 
     def _begin(self, weight_version: int) -> None:
         self.wait()  # one version at a time on the wire (at most timeout_s: receivers that never join fail here)
-        self._flats: list[torch.Tensor] = []
+        self._flats = []
         self._layout: list[BucketLayout] = []
 
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
-        # Widest elements first: every tensor then starts at a multiple of its element size in the flat
-        # bytes (SGLang refuses unaligned ones). Own copies: the broadcast happens later, while the
-        # trainer keeps updating its tensors.
-        bucket = sorted(bucket, key=lambda pair: -pair[1].element_size())
+        bucket = self._keep_flat(bucket)
         layout = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in bucket]
         assert aligned(layout)
-        # Flattened now: the one copy the wire format needs is also the version's own (a clone first, flattened
-        # later in the sending thread, copied every byte twice).
-        self._flats.append(flatten(bucket))
         self._layout.append(layout)
 
     def _finish(self, common: dict) -> BroadcastHandle:
         # A fresh group per version: a receiver that was restarted since the last push simply joins the
         # next one (a gloo group cannot take a new member). Forming one costs ~10 ms on loopback.
         world_size = 1 + self.receiver_ranks
-        self._store = store = listen(
-            self.config.master_address, self.config.master_port, world_size, self.config.timeout_s
-        )
-        rendezvous = Rendezvous(
-            master_address=advertised(self.config.master_address),
-            master_port=store.port,
-            group_name=group_name("miles-weights", common["weight_version"]),
-            world_size=world_size,
-            backend=self.backend,
-            timeout_s=self.config.timeout_s,
-        )
+        self._store = store = self._listen(world_size)
+        rendezvous = self._describe_group(store.port, group_name("miles-weights", common["weight_version"]), world_size)
         flats = self._flats
         self._start(self._send, len(flats), rendezvous, flats, store)
         return BroadcastHandle(**common, group=rendezvous, layout=self._layout)

@@ -156,6 +156,33 @@ class GroupSender(BucketedSender):
         self._num_buckets = 0
         self._error: BaseException | None = None
         self._store: Any = None  # the rendezvous store of the version in flight (rank 0)
+        self._flats: list[torch.Tensor] = []  # the flat buckets of the version being published
+
+    def _keep_flat(self, bucket: list[NamedTensor]) -> list[NamedTensor]:
+        """Keep `bucket` as one flat byte tensor to send, widest elements first; return it in that order.
+
+        Widest first, every tensor starts at a multiple of its element size in the flat bytes (SGLang refuses
+        unaligned ones). Flattened now, the one copy the wire format needs is also the version's own: training
+        goes on updating its tensors while the version is sent (a clone first, flattened later in the sending
+        thread, would copy every byte twice)."""
+        bucket = sorted(bucket, key=lambda pair: -pair[1].element_size())
+        self._flats.append(flatten(bucket))
+        return bucket
+
+    def _listen(self, world_size: int) -> Any:
+        """Open this version's rendezvous store on the configured address and port (see `listen`)."""
+        return listen(self.config.master_address, self.config.master_port, world_size, self.config.timeout_s)
+
+    def _describe_group(self, master_port: int, name: str, world_size: int) -> Rendezvous:
+        """The rendezvous a handle carries for a version's group of `world_size` ranks named `name`."""
+        return Rendezvous(
+            master_address=advertised(self.config.master_address),
+            master_port=master_port,
+            group_name=name,
+            world_size=world_size,
+            backend=self.backend,
+            timeout_s=self.config.timeout_s,
+        )
 
     def _start(self, target: Callable[..., None], num_buckets: int, *args: Any) -> None:
         """Run `target(*args)` in the sending thread; what it raises is reported by `wait()`."""

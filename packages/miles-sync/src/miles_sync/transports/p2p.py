@@ -34,13 +34,10 @@ from miles_sync.fingerprint import Fingerprinter, piece_name
 from miles_sync.protocol import LoadsTensors
 from miles_sync.transports.group import (
     GroupSender,
-    advertised,
     dtype_name,
-    flatten,
     gloo_group,
     group_name,
     join_group,
-    listen,
     nbytes,
 )
 from miles_sync.types import NamedTensor, NamedTensors, P2PHandle, PieceLayout, Rendezvous, SenderPart
@@ -161,7 +158,7 @@ class P2PSender(GroupSender):
         except Exception as exc:  # raised after the ranks met, so no rank waits for one that left
             error = exc
         self._rendezvous = self._agree(weight_version, error)
-        self._flats: list[torch.Tensor] = []
+        self._flats = []
         self._layout: list[PieceLayout] = []
 
     def _agree(self, weight_version: int, error: BaseException | None) -> Rendezvous:
@@ -179,24 +176,19 @@ class P2PSender(GroupSender):
             )
         if self.rank == 0 and error is None:
             try:
-                self._store = listen(
-                    c.master_address, c.master_port, self.num_senders + self.receiver_ranks, c.timeout_s
-                )
+                self._store = self._listen(self.num_senders + self.receiver_ranks)
             except Exception as exc:
                 error = exc
         mine = None
         if error is None and (self.rank == 0 or not in_world):
-            mine = Rendezvous(
-                master_address=advertised(c.master_address),
-                master_port=self._store.port if self.rank == 0 else c.master_port,
-                group_name=(
+            mine = self._describe_group(
+                self._store.port if self.rank == 0 else c.master_port,
+                (
                     group_name("miles-p2p", weight_version)  # rank 0 names it (alone, or shared in the world)
                     if in_world or self.num_senders == 1
                     else f"miles-p2p-{c.master_port}-v{weight_version}"  # the fixed port keeps versions apart
                 ),
-                world_size=self.num_senders + self.receiver_ranks,
-                backend=self.backend,
-                timeout_s=c.timeout_s,
+                self.num_senders + self.receiver_ranks,
             )
         if not in_world:
             if error is not None:
@@ -216,14 +208,10 @@ class P2PSender(GroupSender):
         return every[0][0]
 
     def _put_bucket(self, index: int, bucket: list[NamedTensor]) -> None:
-        # Widest elements first, so each piece starts at a multiple of its element size in the flat bytes; the
-        # flat bucket is the one copy of the bytes (the published version stays fixed while training goes on).
-        bucket = sorted(bucket, key=lambda pair: -pair[1].element_size())
         layout = []
-        for key, tensor in bucket:
+        for key, tensor in self._keep_flat(bucket):
             name, start, full = self._meta[key]
             layout.append((key, dtype_name(tensor.dtype), list(tensor.shape), name, start, full))
-        self._flats.append(flatten(bucket))
         self._layout.append(layout)
 
     def _finish(self, common: dict) -> P2PHandle:
