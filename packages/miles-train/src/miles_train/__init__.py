@@ -5,24 +5,22 @@ Exports load lazily, so `miles_train.config` stays importable without torch.
 
 from miles_sync.lazy import lazy_exports
 
-_EXPORTS = {
-    **dict.fromkeys(
-        [
-            "AlgorithmConfig",
-            "FSDP2Config",
-            "MegatronConfig",
-            "OptimizerConfig",
-            "TorchtitanConfig",
-            "TrainConfig",
-        ],
-        "config",
-    ),
-    **dict.fromkeys(["AdvantageInputs", "LossInputs", "Objective", "build_objective"], "objectives"),
-    "build_backend": "backends",
-    "TrainerBackend": "protocol",
-    "TrainBatch": "types",
-    **dict.fromkeys(["LossTerms", "aggregate", "kl_estimate", "ppo_clip"], "loss"),
-    "supervised_finetune": "sft",
+_NAMES_BY_MODULE = {
+    "config": [
+        "AlgorithmConfig",
+        "FSDP2Config",
+        "MegatronConfig",
+        "OptimizerConfig",
+        "TorchtitanConfig",
+        "TrainConfig",
+    ],
+    "objectives": ["AdvantageInputs", "LossInputs", "Objective", "build_objective"],
+    "backends": ["build_backend"],
+    "protocol": ["TrainerBackend"],
+    "types": ["TrainBatch"],
+    "loss": ["LossTerms", "aggregate", "kl_estimate", "ppo_clip"],
+    "sft": ["supervised_finetune"],
 }
+_EXPORTS = {name: module for module, names in _NAMES_BY_MODULE.items() for name in names}
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

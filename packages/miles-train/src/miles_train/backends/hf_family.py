@@ -4,6 +4,8 @@ asks for it, rather than giving a model that silently drops weights or computes 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
@@ -67,10 +69,22 @@ def check_family(hf_config: Any, backend: str) -> None:
         raise UnsupportedModel(f"{backend} backend: config.json {field}: {value!r} is not supported ({why})")
 
 
-def check_divides(hf_config: Any, backend: str, tp: int, names: tuple[str, ...]) -> None:
-    for name in names:
+def check_rebuildable(hf_config: Any, backend: str, tp: int, split: tuple[str, ...]) -> None:
+    """`check_family`, then that `tp` (tensor_parallel_size) divides each config.json field in `split` (what the
+    backend splits over its tensor-parallel ranks)."""
+    check_family(hf_config, backend)
+    for name in split:
         if getattr(hf_config, name) % tp:
             raise UnsupportedModel(
                 f"{backend} backend: tensor_parallel_size {tp} must divide config.json {name} "
                 f"({getattr(hf_config, name)})"
             )
+
+
+def load_checked_config(model_path: str | Path, check: Callable[[Any, int], None], tp: int) -> Any:
+    """The HF config of a model folder, after the backend's `check(hf_config, tp)` (which raises UnsupportedModel)."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(model_path))
+    check(hf_config, tp)
+    return hf_config

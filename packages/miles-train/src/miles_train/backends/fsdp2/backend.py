@@ -8,53 +8,31 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from miles_train.backends.checkpoint import TrainerState
+from miles_train.backends.common import FullStateBackend, full_tensor
 from miles_train.backends.fsdp2 import convert
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
-from miles_train.backends.update import TrainerBase
 from miles_train.collate import Collated
-from miles_train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
-
-class FSDP2Backend(TrainerBase):
+class FSDP2Backend(FullStateBackend):
     """One data-parallel rank of an HF model sharded with FSDP2; gradients are averaged by FSDP2."""
 
     name = "fsdp2"
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        model_path: str | Path,
-        rank: int = 0,
-        world_size: int = 1,
-        init_method: str | None = None,
-    ) -> None:
-        super().__init__(config, rank, world_size, init_method)
-        self.loss_scale = float(world_size)  # FSDP2 averages over ranks: × world_size gives the global token mean
+    def _set_up(self, model_path: str | Path) -> None:
+        self.loss_scale = float(self.world_size)  # FSDP2 averages over ranks: × world_size gives the global token mean
         self.model = self._load(model_path)
-        self.model.train()
-        self.pad_token_id = self.model.config.pad_token_id or 0
-        opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
-        )
-        if config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher
-            self.reference = self._load(config.reference_path(model_path)).eval().requires_grad_(False)
-        self._init_side_models(model_path)  # ppo's critic, distill's teacher record
+        self.hf_config = self.model.config
+        self.optimizer = self._adamw()
+        if self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher
+            self.reference = self._load(self.config.reference_path(model_path)).eval().requires_grad_(False)
         self.scaler = None
-        if config.precision == "fp16":  # dynamic loss scaling; found-inf is agreed on across the ranks
+        if self.config.precision == "fp16":  # dynamic loss scaling; found-inf is agreed on across the ranks
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(device=self.device.type)
@@ -66,9 +44,6 @@ class FSDP2Backend(TrainerBase):
     def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
         return model(input_ids=c.input_ids, attention_mask=c.attention_mask).logits
 
-    def _zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
     def _backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
@@ -78,7 +53,7 @@ class FSDP2Backend(TrainerBase):
             self.scaler.unscale_(self.optimizer)  # clip the true gradients
         if self.config.optimizer.max_grad_norm is not None:
             total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm)
-            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+            norm = float(full_tensor(total))
         if self.scaler is None:
             self.optimizer.step()
             return norm
@@ -90,32 +65,17 @@ class FSDP2Backend(TrainerBase):
             return None  # the norm of overflowed gradients is inf or NaN: not a measurement
         return norm
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors: a tied head is the embedding, exported once (miles_sync.naming)."""
-        state = get_model_state_dict(self.model, options=_FULL)
-        if self.rank == 0:
-            yield from convert.to_hf(self.model.config, state)
+    def _hf_state(self) -> dict[str, torch.Tensor]:
+        state = self._full_state()
+        return dict(convert.to_hf(self.hf_config, state)) if self.rank == 0 else {}
+
+    def _from_hf(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return convert.from_hf(self.hf_config, hf_state)
 
     def export_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters as FSDP2 holds them: `Shard(0)` DTensors under HF names (the model is the
         transformers model), with no collective; the `p2p` transport sends each rank's rows itself."""
-        yield from convert.to_hf(self.model.config, get_model_state_dict(self.model))
+        yield from convert.to_hf(self.hf_config, get_model_state_dict(self.model))
 
     def _state(self) -> TrainerState:
         return TrainerState(self.name, self.step, self.world_size)
-
-    def save(self, directory: str | Path) -> None:
-        """The common checkpoint (backends/checkpoint.py) with the full optimizer state: loadable on any
-        number of ranks."""
-        model_state = get_model_state_dict(self.model, options=_FULL)
-        optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
-        save_checkpoint(directory, self.rank, self.model.config, model_state, self._state(), optim_state)
-        self._save_side_models(directory)
-
-    def load(self, directory: str | Path) -> None:
-        ckpt = load_checkpoint(directory, self._state())
-        full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, convert.from_hf(self.model.config, ckpt.hf_state), options=full)
-        set_optimizer_state_dict(self.model, self.optimizer, ckpt.optimizer_state, options=full)
-        self.step = ckpt.state.step
-        self._load_side_models(directory)

@@ -14,35 +14,21 @@ import torch
 import torch.distributed as dist
 
 from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from miles_train.backends.common import Backend
+from miles_train.backends.hf_family import load_checked_config
 from miles_train.backends.hf_io import read_hf_state
 from miles_train.backends.megatron import convert, cpu, parallelize
-from miles_train.backends.update import TrainerBase
 from miles_train.collate import Collated
-from miles_train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
 
-class MegatronBackend(TrainerBase):
+class MegatronBackend(Backend):
     name = "megatron"
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        model_path: str | Path,
-        rank: int = 0,
-        world_size: int = 1,
-        init_method: str | None = None,
-    ) -> None:
-        from transformers import AutoConfig
-
-        super().__init__(config, rank, world_size, init_method)
-        backend = config.backend
-        self.tp = backend.tensor_parallel_size
-        self.hf_config = AutoConfig.from_pretrained(str(model_path))
-        convert.check_supported(self.hf_config, self.tp)
-        self.pad_token_id = self.hf_config.pad_token_id or 0
-
+    def _set_up(self, model_path: str | Path) -> None:
+        self.tp = self.config.backend.tensor_parallel_size
+        self.hf_config = load_checked_config(model_path, convert.check_supported, self.tp)
         cpu.apply()
         layout = parallelize.initialize(self.tp)
         self.tp_rank, self.tp_group = layout.tp_rank, layout.tp_group
@@ -50,17 +36,15 @@ class MegatronBackend(TrainerBase):
         # Megatron's DDP averages gradients over the data-parallel ranks: × dp_size restores the
         # global token mean of the loss.
         self.loss_scale = float(self.dp_size)
-        self._init_rng(config)
+        self._init_rng()
 
         hf_state = read_hf_state(model_path)
-        self.transformer_config = convert.transformer_config(self.hf_config, self.tp, config.precision)
+        self.transformer_config = convert.transformer_config(self.hf_config, self.tp, self.config.precision)
         model = parallelize.build(self.hf_config, hf_state, self.tp, self.tp_rank, self.device, self.transformer_config)
         self.model = parallelize.wrap_ddp(self.transformer_config, model)
-        self.model.train()
         self.optimizer = self._build_optimizer()
-        if config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
-            self.reference = self._build_frozen(config.teacher, hf_state).eval().requires_grad_(False)
-        self._init_side_models(model_path)  # ppo's critic, distill's teacher record
+        if self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
+            self.reference = self._build_frozen(self.config.teacher, hf_state).eval().requires_grad_(False)
 
     # ---- construction --------------------------------------------------------------------------
     def _build_frozen(self, teacher: str | None, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -70,15 +54,12 @@ class MegatronBackend(TrainerBase):
             return parallelize.build(
                 self.hf_config, hf_state, self.tp, self.tp_rank, self.device, self.transformer_config
             )
-        from transformers import AutoConfig
-
-        teacher_config = AutoConfig.from_pretrained(teacher)
-        convert.check_supported(teacher_config, self.tp)
+        teacher_config = load_checked_config(teacher, convert.check_supported, self.tp)
         transformer_config = convert.transformer_config(teacher_config, self.tp, self.config.precision)
         state = read_hf_state(teacher)
         return parallelize.build(teacher_config, state, self.tp, self.tp_rank, self.device, transformer_config)
 
-    def _init_rng(self, config: TrainConfig) -> None:
+    def _init_rng(self) -> None:
         from megatron.core import tensor_parallel
 
         if not cpu.init_rng_tracker():

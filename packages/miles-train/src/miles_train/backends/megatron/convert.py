@@ -20,20 +20,23 @@ import torch
 
 from miles_sync import TIED_HEAD
 from miles_train.backends.distributed import pad_rows, padded_vocab
-from miles_train.backends.hf_family import (
-    check_divides,
-    check_family,
-    has_qk_norm,
-    has_qkv_bias,
-    head_dim,
-    rope_parameters,
-)
+from miles_train.backends.hf_family import check_rebuildable, has_qk_norm, has_qkv_bias, head_dim, rope_parameters
 
 
 def check_supported(hf_config: Any, tp: int) -> None:
-    check_family(hf_config, "megatron")
-    # each rank holds whole key-value groups
-    check_divides(hf_config, "megatron", tp, ("num_key_value_heads", "intermediate_size"))
+    """Raise UnsupportedModel unless Megatron's rebuilt model honours `hf_config` split over `tp` ranks (each
+    rank holds whole key-value groups)."""
+    check_rebuildable(hf_config, "megatron", tp, ("num_key_value_heads", "intermediate_size"))
+
+
+# fused kernels need Transformer Engine / apex; the plain ops give the same numbers
+_FUSIONS = (
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "gradient_accumulation_fusion",
+)
 
 
 def transformer_config(hf_config: Any, tp: int, precision: str = "fp32"):
@@ -66,12 +69,7 @@ def transformer_config(hf_config: Any, tp: int, precision: str = "fp32"):
         # weights come from the HF checkpoint: build on the host, skip random initialisation
         use_cpu_initialization=True,
         perform_initialization=False,
-        # fused kernels need Transformer Engine / apex; the plain ops give the same numbers
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **dict.fromkeys(_FUSIONS, False),
     )
 
 

@@ -12,20 +12,12 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-_applied = False
+from miles_train.backends.common import on_host, once_on_host
 
 
-def needed() -> bool:
-    return not torch.cuda.is_available()
-
-
+@once_on_host
 def apply() -> None:
     """Patch the process once, before megatron-core builds anything. No-op where CUDA is present."""
-    global _applied
-    if _applied or not needed():
-        return
-    _applied = True
-
     # Megatron's DDP allocates its contiguous gradient buffers with
     # `device=torch.cuda.current_device()`; answering "cpu" puts them in host memory.
     torch.cuda.current_device = lambda: "cpu"
@@ -65,7 +57,7 @@ def init_rng_tracker() -> bool:
     """Megatron's training RNG tracker forks CUDA generators. Dropout is off and weights come from
     the checkpoint, so nothing draws from it: on CPU, the inference tracker (no fork) stands in.
     Returns False on GPU, where the caller seeds Megatron's own tracker."""
-    if not needed():
+    if not on_host():
         return False
     from megatron.core import tensor_parallel
 
@@ -96,4 +88,4 @@ class _CudaToCpu(TorchFunctionMode):
 def on_cpu():
     """Context for megatron-core calls that create tensors on 'cuda' (optimizer build, step, state
     dicts). A no-op on GPU machines."""
-    return _CudaToCpu() if needed() else contextlib.nullcontext()
+    return _CudaToCpu() if on_host() else contextlib.nullcontext()

@@ -14,19 +14,12 @@ from typing import Any
 
 import torch.nn as nn
 
-from miles_train.backends.hf_family import (
-    check_divides,
-    check_family,
-    has_qk_norm,
-    has_qkv_bias,
-    head_dim,
-    rope_parameters,
-)
+from miles_train.backends.hf_family import check_rebuildable, has_qk_norm, has_qkv_bias, head_dim, rope_parameters
 
 
 def check_supported(hf_config: Any, tp: int) -> None:
-    check_family(hf_config, "torchtitan")
-    check_divides(hf_config, "torchtitan", tp, ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
+    """Raise UnsupportedModel unless torchtitan's rebuilt model honours `hf_config` split over `tp` ranks."""
+    check_rebuildable(hf_config, "torchtitan", tp, ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
 
 
 def model_config(hf_config: Any, vocab_size: int | None = None):

@@ -7,19 +7,12 @@ from __future__ import annotations
 
 import torch
 
-_applied = False
+from miles_train.backends.common import on_host, once_on_host
 
 
-def needed() -> bool:
-    return not torch.cuda.is_available()
-
-
+@once_on_host
 def apply() -> None:
     """Call before anything imports `torchtitan.distributed`. No-op where CUDA is present."""
-    global _applied
-    if _applied or not needed():
-        return
-    _applied = True
     import sys
 
     import torchtitan.tools.utils as tt_utils
@@ -35,7 +28,7 @@ def apply() -> None:
 def after_parallelize(model: torch.nn.Module) -> None:
     """gloo has no PREMUL_SUM, which FSDP2 uses to scale gradients inside the reduce-scatter:
     ask FSDP2 for plain SUM collectives (it scales separately). No-op on GPU (NCCL has PREMUL_SUM)."""
-    if not needed():
+    if not on_host():
         return
     from torch.distributed.fsdp import FSDPModule
 
