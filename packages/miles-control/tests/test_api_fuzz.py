@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-MAX_EXAMPLES = int(os.environ.get("MILES_FUZZ_EXAMPLES", "25"))  # more for a deeper search
+# 10 examples per operation by default, 25 in the extended tier (MILES_EXTENDED=1), more for a deeper search.
+MAX_EXAMPLES = int(os.environ.get("MILES_FUZZ_EXAMPLES", "25" if os.environ.get("MILES_EXTENDED") == "1" else "10"))
 SEED = os.environ.get("MILES_FUZZ_SEED", "7")
 
 
