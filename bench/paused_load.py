@@ -8,7 +8,9 @@ One SGLang server (CPU recipe) on a random model of the demo's size; the `disk` 
 - idle: nothing in flight (what a push under `sync` sees);
 - paused, one core: a batch of requests decoding, paused `in_place` for the push; the server's processes and this
   process share core 1 (what `ray.cpu_split` gives the rollout side on a 2-core machine);
-- paused, two cores: the same, with the server's processes allowed on both cores.
+- paused, two cores: the same, with the server's processes allowed on both cores;
+- paused, nothing in flight: the idle server paused `in_place` by hand before the load (SGLang's scheduler spins
+  while paused, with or without requests), which separates the paused state from the requests it holds.
 
     .venv/bin/python bench/paused_load.py [--pushes 8] [--out FILE]
 """
@@ -24,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 from common import build_model
 
@@ -38,7 +41,14 @@ def pin(engine, cores: set[int]) -> None:
             os.sched_setaffinity(proc.pid, cores)
 
 
-def push_once(engine, sender, params, version: int, busy: bool) -> dict[str, float]:
+def post_each(engine, path: str, body: dict | None = None) -> None:
+    """POST `path` to every server of the engine (a pause or resume the engine itself would not send)."""
+    for slot in engine.slots:
+        httpx.post(slot.url + path, json=body, timeout=60).raise_for_status()
+
+
+def push_once(engine, sender, params, version: int, busy: bool | str) -> dict[str, float]:
+    """One push; `busy` True: requests decoding while it is paused; "empty": paused by hand with none in flight."""
     from miles_rollout import GenerateRequest, SamplingParams
 
     done = threading.Event()
@@ -49,12 +59,14 @@ def push_once(engine, sender, params, version: int, busy: bool) -> dict[str, flo
         asyncio.run(engine.generate(requests))
         done.set()
 
-    if busy:
+    if busy is True:
         threading.Thread(target=generate, daemon=True).start()
         deadline = time.time() + 30
         while not any(s.outstanding for s in engine.slots) and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # decoding is under way
+    if busy == "empty":
+        post_each(engine, "/pause_generation", {"mode": "in_place"})
     handle = sender.publish([(n, p + version * 1e-3) for n, p in params], version)
     engine.push_phases.clear()
     asyncio.run(engine.pause("in_place"))
@@ -62,8 +74,10 @@ def push_once(engine, sender, params, version: int, busy: bool) -> dict[str, flo
         engine.receive(handle)
     finally:
         asyncio.run(engine.resume())
+        if busy == "empty":
+            post_each(engine, "/continue_generation")
     phases = dict(engine.push_phases)
-    if busy:
+    if busy is True:
         done.wait(120)
     return phases
 
@@ -94,6 +108,7 @@ def main() -> None:
             ("idle (as under sync)", False, rollout_core),
             ("paused with requests in flight, one core", True, rollout_core),
             ("paused with requests in flight, two cores", True, cores),
+            ("paused, nothing in flight", "empty", rollout_core),
         ):
             os.sched_setaffinity(0, rollout_core)
             pin(engine, server_cores)

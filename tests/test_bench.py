@@ -248,7 +248,7 @@ def test_paused_load_bench_reports_each_scenario(tmp_path):
     rows = [
         line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| idle") or "paused" in line
     ]
-    assert len(rows) == 3, out.read_text()
+    assert len(rows) == 4, out.read_text()
     for row in rows:
         pause, load, verify = (float(c) for c in row[2:5])
         assert load > 0 and verify > 0 and pause >= 0, row
