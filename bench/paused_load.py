@@ -44,7 +44,7 @@ def pin(engine, cores: set[int]) -> None:
 def post_each(engine, path: str, body: dict | None = None) -> None:
     """POST `path` to every server of the engine (a pause or resume the engine itself would not send)."""
     for slot in engine.slots:
-        httpx.post(slot.url + path, json=body, timeout=60).raise_for_status()
+        httpx.post(slot.url + path, json=body or {}, timeout=60).raise_for_status()
 
 
 def push_once(engine, sender, params, version: int, busy: bool | str) -> dict[str, float]:
