@@ -1,16 +1,17 @@
 """What a weight load costs an SGLang server that is paused with requests in flight, against an idle one, and
 whether the server's processes having a core to themselves changes it (issue 43, item 3).
 
-One SGLang server (CPU recipe) on a random model of the demo's size; the `disk` transport. Each scenario pushes
+One SGLang server (CPU recipe) on a random model of the demo's size; the `disk` transport. The server starts
+as `ray.cpu_split` starts it on a 2-core machine: this process is pinned to the last core first, so the server
+inherits that core and one OpenMP thread (`OMP_NUM_THREADS` follows the affinity). Each scenario pushes
 `--pushes` versions and reports the median of the engine's push phases (`pause/servers`, `load/servers`,
 `load/verify`, ms):
 
 - idle: nothing in flight (what a push under `sync` sees);
-- paused, one core: a batch of requests decoding, paused `in_place` for the push; the server's processes and this
-  process share core 1 (what `ray.cpu_split` gives the rollout side on a 2-core machine);
-- paused, two cores: the same, with the server's processes allowed on both cores;
+- paused with requests in flight: a batch of requests decoding, paused `in_place` for the push;
 - paused, nothing in flight: the idle server paused `in_place` by hand before the load (SGLang's scheduler spins
-  while paused, with or without requests), which separates the paused state from the requests it holds.
+  while paused, with or without requests), which separates the paused state from the requests it holds;
+- two cores: a second server started with both cores (two OpenMP threads), paused with requests in flight.
 
     .venv/bin/python bench/paused_load.py [--pushes 8] [--out FILE]
 """
@@ -27,18 +28,9 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 from common import build_model
 
 PHASES = ("pause/servers", "load/servers", "load/verify")
-
-
-def pin(engine, cores: set[int]) -> None:
-    """Pin every process of the engine's servers (launcher, scheduler, detokenizer) to `cores`."""
-    for slot in engine.slots:
-        root = psutil.Process(slot.server.process.pid)
-        for proc in [root, *root.children(recursive=True)]:
-            os.sched_setaffinity(proc.pid, cores)
 
 
 def post_each(engine, path: str, body: dict | None = None) -> None:
@@ -98,36 +90,44 @@ def main() -> None:
     model_dir = build_model(work / "model", hidden=128, layers=4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = [(n, p.detach().clone()) for n, p in model.named_parameters()]
-    engine = build_engine(SGLangEngineConfig(type="sglang", num_engines=1), model_dir, seed=0)
     sender = build_sender(DiskSync(dir=str(work / "weights")))
     cores = os.sched_getaffinity(0)
     rollout_core = {max(cores)}
     rows, version = [], 0
     try:
-        for name, busy, server_cores in (
-            ("idle (as under sync)", False, rollout_core),
-            ("paused with requests in flight, one core", True, rollout_core),
-            ("paused with requests in flight, two cores", True, cores),
-            ("paused, nothing in flight", "empty", rollout_core),
+        for server_cores, scenarios in (
+            (
+                rollout_core,
+                (
+                    ("idle (as under sync)", False),
+                    ("paused with requests in flight", True),
+                    ("paused, nothing in flight", "empty"),
+                ),
+            ),
+            (cores, (("paused with requests in flight", True),)),
         ):
-            os.sched_setaffinity(0, rollout_core)
-            pin(engine, server_cores)
-            measured = []
-            for _ in range(args.pushes):
-                version += 1
-                measured.append(push_once(engine, sender, params, version, busy))
-            medians = [statistics.median(m.get(p, 0.0) for m in measured) * 1000 for p in PHASES]
-            rows.append(f"| {name} | {len(server_cores)} | " + " | ".join(f"{v:.1f}" for v in medians) + " |")
+            os.sched_setaffinity(0, server_cores)  # the server inherits it, its OpenMP threads follow
+            engine = build_engine(SGLangEngineConfig(type="sglang", num_engines=1), model_dir, seed=0)
+            try:
+                for name, busy in scenarios:
+                    measured = []
+                    for _ in range(args.pushes):
+                        version += 1
+                        measured.append(push_once(engine, sender, params, version, busy))
+                    medians = [statistics.median(m.get(p, 0.0) for m in measured) * 1000 for p in PHASES]
+                    cells = " | ".join(f"{v:.1f}" for v in medians)
+                    rows.append(f"| {name} | {len(server_cores)} | {cells} |")
+            finally:
+                engine.shutdown()
     finally:
         sender.close()
-        engine.shutdown()
     text = "\n".join(
         [
             "| scenario | server cores | pause/servers ms | load/servers ms | load/verify ms |",
             "|---|---|---|---|---|",
             *rows,
             "",
-            f"Median of {args.pushes} pushes each; {os.cpu_count()} CPU cores; this process on core {max(cores)}.",
+            f"Median of {args.pushes} pushes each; {os.cpu_count()} CPU cores; this process shares the server's cores.",
         ]
     )
     print(text)
