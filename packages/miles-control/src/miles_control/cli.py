@@ -126,10 +126,16 @@ def export(
         Path | None, typer.Option(help="The model folder whose tokenizer to include; a job id finds its own.")
     ] = None,
     store: Annotated[str, typer.Option(help="The job store (with a job id).")] = DEFAULT_STORE_URL,
+    merged: Annotated[
+        bool,
+        typer.Option(help="A LoRA job's checkpoint: write the merged model instead of the adapter (PEFT's folder)."),
+    ] = False,
 ) -> None:
     """Write a trained policy as a Hugging Face model folder (config, safetensors, tokenizer with its chat template,
-    generation config), from a checkpoint of any backend; it loads with `from_pretrained` and serves with SGLang."""
-    from miles_control.export import ExportError, export_checkpoint, find_checkpoint
+    generation config), from a checkpoint of any backend; it loads with `from_pretrained` and serves with SGLang.
+    A LoRA job's checkpoint gives its adapter as PEFT's folder (adapter_config.json naming the base model,
+    adapter_model.safetensors), or with --merged the merged model."""
+    from miles_control.export import ExportError, export_adapter, export_checkpoint, find_checkpoint, has_adapter
 
     try:
         if job_or_checkpoint.isdigit():
@@ -141,7 +147,12 @@ def export(
             checkpoint = Path(job_or_checkpoint)
             if not checkpoint.is_dir():
                 raise ExportError(f"JOB_OR_CHECKPOINT: {checkpoint} is neither a job id nor a checkpoint folder")
-        written = export_checkpoint(checkpoint, out, model, dtype)
+        if has_adapter(checkpoint) and not merged:
+            written = export_adapter(checkpoint, out, model, dtype)
+        elif merged and not has_adapter(checkpoint):
+            raise ExportError(f"--merged: {checkpoint} holds no LoRA adapter; its weights are the whole model already")
+        else:
+            written = export_checkpoint(checkpoint, out, model, dtype)
     except ExportError as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None

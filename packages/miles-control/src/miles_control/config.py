@@ -322,6 +322,31 @@ class JobSpec(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _lora_fits(self) -> JobSpec:
+        """An adapter (train.lora) needs a push the engine can take: refused here, before anything starts."""
+        sync = self.sync
+        if self.train.lora is None:
+            return self
+        if sync.transport == "p2p":
+            raise ValueError(
+                "train.lora with sync.transport: p2p: p2p sends each trainer rank's rows of the model's own tensors, "
+                "and an adapter's push is small enough for rank 0 to send whole; use transport disk, tensor or "
+                "broadcast"
+            )
+        if sync.lora == "adapter":
+            if self.rollout.engine.type == "sglang" and sync.delta:
+                raise ValueError(
+                    "sync.delta with sync.lora: adapter on the sglang engine: SGLang loads an adapter whole (and every "
+                    "matrix of it moves at each step); turn sync.delta off"
+                )
+            if sync.quantization != "none":
+                raise ValueError(
+                    f"sync.quantization: {sync.quantization} with sync.lora: adapter: the engines would run a "
+                    "quantized adapter on an unquantized base; use sync.lora: merge to quantize the merged weights"
+                )
+        return self
+
     @field_validator("schedule", mode="before")
     @classmethod
     def _sync_by_default(cls, value: Any) -> Any:

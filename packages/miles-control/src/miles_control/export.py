@@ -6,6 +6,10 @@ optimizer state and `trainer_state.json`. An export keeps the weights and the co
 dtype, and adds what the checkpoint does not hold from the job's model folder: the tokenizer (its chat template
 with it) and the generation config. The result loads with `from_pretrained` and serves with SGLang or vLLM; the
 optimizer state stays behind.
+
+A LoRA checkpoint (`train.lora`) also holds its adapter in PEFT's layout (`adapter/`); its `model.safetensors` is the
+merged model. `export_adapter` writes the adapter (for `PeftModel.from_pretrained` or SGLang's `--lora-paths`, on the
+job's base model); `export_checkpoint` the merged model (`miles export --merged`).
 """
 
 from __future__ import annotations
@@ -109,6 +113,55 @@ def export_checkpoint(checkpoint: Path, out: Path, model_folder: Path | None = N
                 shutil.copy2(source / name, staging / name)
             elif name == "generation_config.json" and (checkpoint / name).is_file():
                 shutil.copy2(checkpoint / name, staging / name)
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def has_adapter(checkpoint: Path) -> bool:
+    """True for a checkpoint of a LoRA job (train.lora): it holds `adapter/`."""
+    return (Path(checkpoint) / "adapter" / "adapter_config.json").is_file()
+
+
+def export_adapter(checkpoint: Path, out: Path, model_folder: Path | None = None, dtype: str = "auto") -> Path:
+    """Write a LoRA checkpoint's adapter as PEFT's folder `out` (adapter_config.json naming the base model folder,
+    adapter_model.safetensors in `dtype`: auto is the base model's), with the base's tokenizer where it is known."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if not has_adapter(checkpoint):
+        raise ExportError(f"JOB_OR_CHECKPOINT: {checkpoint} holds no LoRA adapter (adapter/adapter_config.json)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"OUT: {out} exists and is not an empty folder; choose another (nothing was written)")
+    adapter = checkpoint / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    if model_folder is not None:
+        config["base_model_name_or_path"] = str(model_folder)
+    if dtype == "auto":
+        declared = json.loads((checkpoint / "config.json").read_text())
+        dtype = declared.get("torch_dtype") or declared.get("dtype") or "float32"
+        dtype = dtype if dtype in DTYPES[1:] else "float32"
+    target = getattr(torch, dtype)
+    state = {
+        n: t.to(target) if t.is_floating_point() else t
+        for n, t in load_file(str(adapter / "adapter_model.safetensors")).items()
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        (staging / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(state, str(staging / "adapter_model.safetensors"))
+        if model_folder is not None:
+            for name in TOKENIZER_FILES:
+                if (model_folder / name).is_file():
+                    shutil.copy2(model_folder / name, staging / name)
         if out.exists():
             out.rmdir()
         staging.rename(out)

@@ -45,11 +45,13 @@ def run_steps(
     samples_per_prompt: int = 4,
     temperature: float = 0.8,
     max_new_tokens: int = 6,
+    lora_push: str = "adapter",
 ) -> list[dict[str, Any]]:
     """`num_steps` GRPO steps of a fresh one-rank trainer (`train`: a TrainConfig mapping) against `engine`,
     which must hold the checkpoint's weights. One dict per step: the trainer's metrics, whether the engine's
     weights matched the push, what was sent, and timings. The reward is a fixed function of the response's
-    token ids (groups get different rewards, so advantages are not zero)."""
+    token ids (groups get different rewards, so advantages are not zero). With `train.lora`, `lora_push` is
+    sync.lora (an `adapter` push needs an engine built with the adapter's config)."""
     from miles_rollout import GenerateRequest, SamplingParams
     from miles_sync import TensorSync, build_sender
     from miles_train import TrainConfig, build_backend
@@ -58,6 +60,7 @@ def run_steps(
     sync = TensorSync().for_engines(engine_dtype)  # what a job's runtime resolves (sync.dtype: auto)
     backend = build_backend(TrainConfig.model_validate(train), model_dir, 0, 1, f"tcp://127.0.0.1:{free_port()}")
     backend.set_push_dtype(sync.pushed_precision(engine_dtype))
+    backend.set_lora_push(lora_push)
     sender = build_sender(sync)
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     steps = []
@@ -88,6 +91,7 @@ def run_steps(
                 {
                     "weights_match": engine_fp == handle.fingerprint,
                     "num_tensors": handle.num_tensors,
+                    "num_bytes": handle.num_bytes,
                     "dtype": handle.dtype,
                     "rollout_tokens_per_s": sum(len(o.output_ids) for o in results) / max(generated - started, 1e-9),
                     "train_s": trained - generated,

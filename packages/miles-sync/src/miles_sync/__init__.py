@@ -13,7 +13,7 @@ _EXPORTS = {  # exported name → the submodule that defines it
         "fingerprint": "Fingerprinter weight_fingerprint",
         "protocol": "WeightReceiver WeightSender LoadsTensors LoadsFolder JoinsGroup",
         "transports": "TRANSPORTS build_sender read_buckets receive needs_receiver_ranks sends_from_every_rank combine",
-        "naming": "TIED_HEAD without_tied_head",
+        "naming": "TIED_HEAD without_tied_head is_lora lora_wire_name lora_param_name",
         "types": "NamedTensor NamedTensors WeightHandle AnyHandle InprocHandle DiskHandle TensorHandle "
         "BroadcastHandle Rendezvous P2PHandle SenderPart",
     }.items()

@@ -72,6 +72,15 @@ class SyncBase(BaseModel):
         "changed tensors (read in the engine's process and handed on as tensors).",
     )
 
+    lora: Literal["adapter", "merge"] = Field(
+        "adapter",
+        description="With train.lora, what a push sends. adapter: the adapter's matrices alone (PEFT's names, "
+        "0.1–2 % of the model's bytes), which the engine applies to the base it holds (hf: PEFT; sglang: each version "
+        "loaded by name with SGLang's LoRA support, and generation never pauses for a push); merge: the merged "
+        "weights W + (alpha / rank) · B A under the model's own names, pushed and checked as a full model. The weight "
+        "check compares what was sent. No effect without train.lora.",
+    )
+
     @model_validator(mode="after")
     def _packed_needs(self) -> Self:
         if self.check_after_resume and not self.check_weights:

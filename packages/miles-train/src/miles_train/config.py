@@ -232,6 +232,41 @@ class CriticConfig(_Strict):
     lam: float = Field(0.95, ge=0, le=1, description="GAE's λ: 0 is the one-step TD error, 1 the Monte-Carlo return.")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Strict):
+    """LoRA through the PEFT library (`train.lora`): the base weights stay frozen, only the adapter's low-rank
+    matrices A (rank × in) and B (out × rank) train, W' = W + (alpha / rank) · B A, and the optimizer holds state for
+    them alone. What a push sends (the adapter, or the merged weights) is `sync.lora`."""
+
+    rank: int = Field(8, gt=0, description="The adapter's rank r (PEFT's `r`).")
+    alpha: float = Field(16.0, gt=0, description="The scale's numerator: the update is (alpha / rank) · B A.")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input while training (0: the trainer's forward is "
+        "deterministic, as the engines' is).",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="Names of the linear modules that get an adapter (PEFT's `target_modules`: a module whose name "
+        "ends with one of them); the default is every attention and MLP projection of Llama/Qwen families.",
+    )
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of PEFT's `LoraConfig` (also what an engine that applies the adapter builds)."""
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": list(self.target_modules),
+            "bias": "none",
+        }
+
+
 class TrainConfig(_Strict):
     backend: BackendConfig = Field(
         default_factory=FSDP2Config,
@@ -277,6 +312,12 @@ class TrainConfig(_Strict):
         None,
         description="algorithm ppo: the value model trained beside the policy and GAE's γ and λ (None: the "
         "defaults). Saved with every checkpoint (`<checkpoint>/critic`) and resumed with the policy.",
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train a LoRA adapter (PEFT) instead of every weight: `{rank, alpha, dropout, target_modules}`, "
+        "or `{}` for the defaults. Backend fsdp2; megatron and torchtitan refuse it. sync.lora says whether a push "
+        "sends the adapter or the merged weights. None: full fine-tuning.",
     )
     policy_weights: Literal["auto", "master", "pushed"] = Field(
         "auto",
@@ -336,6 +377,19 @@ class TrainConfig(_Strict):
             raise ValueError(
                 "train.precision: fp16 is not offered by torchtitan's mixed-precision settings (bfloat16 | float32); "
                 "use precision bf16, or backend fsdp2 or megatron for fp16"
+            )
+        if self.lora is not None and kind != "fsdp2":
+            why = {
+                "megatron": "megatron-core 0.19 has no LoRA for its GPTModel layers, and PEFT wraps transformers "
+                "modules, not megatron's fused linear_qkv / linear_fc1",
+                "torchtitan": "torchtitan 0.3 models are not transformers modules, which PEFT wraps, and the adapter "
+                "layout of its own LoRA converter is not yet mapped to PEFT's",
+            }[kind]
+            raise ValueError(f"train.lora: backend {kind} cannot train an adapter ({why}); use backend fsdp2")
+        if self.lora is not None and self.quantization != "none":
+            raise ValueError(
+                f"train.lora with train.quantization: {self.quantization}: the fake quantization would round the "
+                "adapter's matrices too, which the engines hold unquantized; use one of them"
             )
         if kind == "megatron" and self.quantization in ("fp8", "fp8_block", "nvfp4"):
             raise ValueError(

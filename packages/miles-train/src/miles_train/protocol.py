@@ -33,9 +33,15 @@ class TrainerBackend(Protocol):
         forwards with the weights as pushed (`train.policy_weights`) and reports `train/update_kept_frac`."""
         ...
 
+    def set_lora_push(self, mode: str) -> None:
+        """With `train.lora`: whether `export_weights` gives the adapter alone (`adapter`) or the merged weights
+        (`merge`), `sync.lora`."""
+        ...
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) tensors under HF names, as a checkpoint holds them (a tied head once, as the
-        embedding: miles_sync.naming). Collective: call on every rank; rank 0 yields them.
+        embedding: miles_sync.naming); with `train.lora` and `set_lora_push("adapter")`, the adapter's matrices
+        under PEFT's save names. Collective: call on every rank; rank 0 yields them.
 
         The tensors may alias live parameters: consume or copy them before the next `train_step`.
         """

@@ -59,7 +59,10 @@ class RolloutWorker:
         engine_config = job.rollout.engine
         if plan is not None and plan.mode == "colocated":
             engine_config = engine_config.as_colocated()  # what the engine needs to release its memory
-        self.engine = build_engine(engine_config, Path(model_path), seed=job.seed, packed=packed, gpu_ids=engine_gpus)
+        lora = job.train.lora.peft_kwargs() if job.train.lora is not None and job.sync.lora == "adapter" else None
+        self.engine = build_engine(
+            engine_config, Path(model_path), seed=job.seed, packed=packed, gpu_ids=engine_gpus, lora=lora
+        )
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         encoder = PromptEncoder(tokenizer, job.data.chat_template, job.data.system_prompt)
         hf_config = AutoConfig.from_pretrained(model_path)

@@ -65,6 +65,7 @@ class TrainerWorker:
         self.backend = build_backend(job.train, model_path, rank, world_size, init_method)
         # the policy the engines run: what the trainer forwards with, and recomputes the ratio's denominator under
         self.backend.set_push_dtype(pushed_precision, job.sync.quantization, job.sync.quant_group_size)
+        self.backend.set_lora_push(job.sync.lora)  # with train.lora: the adapter, or the merged weights
         self.sender = None
         if rank == 0 or sends_from_every_rank(job.sync):
             self.sender = build_sender(job.sync.placed(weights_dir), receiver_ranks=receiver_ranks)

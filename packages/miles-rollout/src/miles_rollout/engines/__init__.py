@@ -30,10 +30,13 @@ def build_engine(
     seed: int = 0,
     packed: str | None = None,
     gpu_ids: list[list[str]] | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> RolloutEngine:
     """The engine of `config` serving `model_path`. `packed`: the format the pushes carry packed
     (`sync.quant_wire: packed`); the engine then serves a packed copy of the checkpoint (sglang on a GPU only).
-    `gpu_ids`: each SGLang server's GPUs, from the resource plan (`miles_control.placement`)."""
+    `gpu_ids`: each SGLang server's GPUs, from the resource plan (`miles_control.placement`). `lora`: PEFT
+    `LoraConfig` keyword arguments of the adapter the pushes carry (`sync.lora: adapter`): the hf engine applies
+    it to the base it holds with PEFT, SGLang serves each pushed version by name."""
     if packed is not None and config.type != "sglang":
         raise ValueError(f"sync.quant_wire: packed needs rollout.engine.type: sglang (got {config.type!r})")
     if config.type == "hf":
@@ -42,9 +45,9 @@ def build_engine(
         if gpu_ids:
             raise ValueError("the hf engine runs on CPU: it takes no GPUs (resources.rollout_gpus_per_engine: 0)")
 
-        return HFEngine(model_path, config, seed=seed)
+        return HFEngine(model_path, config, seed=seed, lora=lora)
     if config.type == "sglang":
         from miles_rollout.engines.sglang.engine import SGLangEngine
 
-        return SGLangEngine(model_path, config, seed=seed, packed=packed, gpu_ids=gpu_ids)
+        return SGLangEngine(model_path, config, seed=seed, packed=packed, gpu_ids=gpu_ids, lora=lora)
     raise ValueError(f"unknown rollout engine {config.type!r}")

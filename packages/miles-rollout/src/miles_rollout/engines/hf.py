@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -22,7 +23,7 @@ from miles_rollout.engines.checks import check_push, group_by_sampling, held_fin
 from miles_rollout.engines.versions import WeightVersions
 from miles_rollout.protocol import WeightPushError
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from miles_sync import WeightHandle, receive
+from miles_sync import WeightHandle, is_lora, lora_wire_name, receive
 from miles_sync.protocol import Buckets
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,22 @@ class HFEngine:
     name = "hf"
     max_concurrent_calls = 1  # one batch decodes at a time: calls that arrive meanwhile form the next batch
 
-    def __init__(self, model_path: str | Path, config: HFEngineConfig, seed: int = 0) -> None:
+    def __init__(
+        self, model_path: str | Path, config: HFEngineConfig, seed: int = 0, lora: dict[str, Any] | None = None
+    ) -> None:
+        """`lora`: PEFT `LoraConfig` keyword arguments when the pushes carry an adapter (`sync.lora: adapter`): the
+        model is wrapped with it (B = 0: the base's outputs until the first push), and a push, the weight check
+        and a roll-back concern the adapter's matrices alone."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.dtype = engine_dtype(config.dtype, model_path)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, self.dtype))
+        self.lora = lora
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(**lora))
         self.model.eval()
         self.model.requires_grad_(False)
         eos = self.model.generation_config.eos_token_id
@@ -79,6 +90,13 @@ class HFEngine:
         self._abort = False
         self._aborted_ids: set[str] = set()  # abort_requests(): rows that end at their next token
         self._weights_lock = threading.Lock()
+
+    def _pushed_params(self) -> dict[str, torch.nn.Parameter]:
+        """What a push replaces, by the names it travels under: every parameter (a tied head once, as the
+        embedding: the rule of miles_sync.naming), or with an adapter its matrices alone (PEFT's save names)."""
+        if self.lora is None:
+            return dict(self.model.named_parameters())
+        return {lora_wire_name(n): p for n, p in self.model.named_parameters() if is_lora(n)}
 
     @property
     def weight_version(self) -> int:
@@ -233,8 +251,7 @@ class HFEngine:
                 f"hf engine: weight version {handle.weight_version} carries packed {handle.packed} weights, which "
                 "only SGLang on a GPU loads; use sync.quant_wire: values"
             )
-        # named_parameters() names a tied head once, as the embedding: the rule of miles_sync.naming.
-        params = dict(self.model.named_parameters())
+        params = self._pushed_params()
         # Read everything before touching the model, so a bad version is refused whole.
         tensors = dict(pair for bucket in buckets for pair in bucket)
         check_push(self.name, handle, set(tensors), set(params), self._versions.version)
@@ -258,7 +275,7 @@ class HFEngine:
 
     def roll_back(self) -> int:
         """Back to the version a `receive(..., check_later=True)` replaced: its tensors are copied back."""
-        params = dict(self.model.named_parameters())
+        params = self._pushed_params()
         with self._weights_lock, torch.no_grad():
             version, (kept, self._wire_dtype, self._pieces) = self._versions.roll_back(f"{self.name} engine")
             for name, tensor in kept.items():
@@ -270,8 +287,9 @@ class HFEngine:
         self._versions.drop_previous()
 
     def weight_fingerprint(self) -> str:
-        """The fingerprint of the weights held, in the dtype of the last push (the engine's own before one)."""
-        return held_fingerprint(self.model.named_parameters(), self.dtype, self._wire_dtype, self._pieces)
+        """The fingerprint of the weights held (with an adapter: of its matrices), in the dtype of the last push (the
+        engine's own before one)."""
+        return held_fingerprint(self._pushed_params().items(), self.dtype, self._wire_dtype, self._pieces)
 
     def shutdown(self) -> None:
         self._resumed.set()

@@ -70,6 +70,15 @@ class BackendCore:
         self.objective = build_objective(config.algorithm)
         self.set_push_dtype(None)
 
+    lora_push: str = "adapter"  # train.lora: what a push sends (sync.lora: adapter | merge)
+
+    def set_lora_push(self, mode: str) -> None:
+        """With `train.lora`, what `export_weights` gives: the adapter alone (`adapter`, PEFT's names) or the merged
+        weights under the model's own names (`merge`). No effect without an adapter."""
+        if mode not in ("adapter", "merge"):
+            raise ValueError(f"sync.lora: {mode!r} is not adapter or merge")
+        self.lora_push = mode
+
     push_dtype: torch.dtype | None = None  # what the engines hold, when a push rounds the master weights
     push_quant: tuple[str, int] | None = None  # (format, int4 group) the push quantizes linear weights to (informs
     # old_logprobs: auto; the trainer's numerics are train_quant's)

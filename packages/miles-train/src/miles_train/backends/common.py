@@ -82,9 +82,8 @@ class FullStateBackend(Backend):
 
     def _adamw(self) -> torch.optim.Optimizer:
         opt = self.config.optimizer
-        return torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
-        )
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # a LoRA adapter's alone (train.lora)
+        return torch.optim.AdamW(trained, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict with whole tensors (collective); on rank 0's host, empty on the others."""
@@ -118,10 +117,14 @@ class FullStateBackend(Backend):
         """Resume from `save`'s folder: weights, optimizer state, step and side models."""
         ckpt = load_checkpoint(directory, self._state(), self.checked_on_load)
         full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, self._from_hf(ckpt.hf_state), options=full)
+        self._load_weights(Path(directory), ckpt.hf_state)
         set_optimizer_state_dict(self.model, self.optimizer, ckpt.optimizer_state, options=full)
         self.step = ckpt.state.step
         self._load_side_models(directory)
+
+    def _load_weights(self, directory: Path, hf_state: dict[str, torch.Tensor]) -> None:
+        """Set the model's weights from a checkpoint's (its HF tensors, `hf_state`)."""
+        set_model_state_dict(self.model, self._from_hf(hf_state), options=StateDictOptions(full_state_dict=True))
 
     def _state(self) -> TrainerState:
         raise NotImplementedError

@@ -10,6 +10,7 @@ import httpx
 
 from miles_rollout.config import SGLangEngineConfig
 from miles_rollout.engines.checks import group_by_sampling
+from miles_rollout.engines.sglang.adapters import AdapterServing
 from miles_rollout.engines.sglang.router import Router, Slot
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
@@ -45,6 +46,7 @@ class Dispatcher:
         # aborted once it gets its slot, instead of running to its end
         self._aborted: set[str] = set()
         self._waiting: set[str] = set()  # ids of the calls this dispatcher runs now
+        self.adapters: AdapterServing | None = None  # sync.lora: adapter: calls name the newest adapter
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Split into calls of at most `max_requests_per_call` (one sampling setting each), run concurrently."""
@@ -84,7 +86,11 @@ class Dispatcher:
                 self.router.release(slot)
                 return [GenerateResult(r.request_id, [], [], FinishReason.ABORT, []) for r in requests]
             try:
-                results = await self._generate_on(client, slot, sampling, requests)
+                if self.adapters is None:
+                    results = await self._generate_on(client, slot, sampling, requests)
+                else:
+                    with self.adapters.checkout() as (name, version):
+                        results = await self._generate_on(client, slot, sampling, requests, name, version)
                 slot.served += 1
                 slot.answered_at = time.monotonic()
                 return results
@@ -127,9 +133,16 @@ class Dispatcher:
 
     @staticmethod
     async def _generate_on(
-        client: httpx.AsyncClient, slot: Slot, sampling: SamplingParams, requests: list[GenerateRequest]
+        client: httpx.AsyncClient,
+        slot: Slot,
+        sampling: SamplingParams,
+        requests: list[GenerateRequest],
+        adapter: str | None = None,
+        adapter_version: int | None = None,
     ) -> list[GenerateResult]:
-        body = {
+        """One `/generate` call. With `adapter` (its version `adapter_version`), every request runs under that LoRA
+        adapter, so every token is of that version whatever the servers' own weight version says."""
+        body: dict = {
             "input_ids": [r.input_ids for r in requests],
             "sampling_params": {
                 "temperature": sampling.temperature,
@@ -141,6 +154,8 @@ class Dispatcher:
             "return_logprob": True,
             "rid": [r.request_id for r in requests],  # unique per EngineClient: what abort_requests names
         }
+        if adapter is not None:
+            body["lora_path"] = [adapter] * len(requests)
         call = asyncio.ensure_future(client.post(f"{slot.url}/generate", json=body))
         while not call.done():
             await asyncio.wait({call}, timeout=0.2)
@@ -156,6 +171,8 @@ class Dispatcher:
         for request, out in zip(requests, response.json(), strict=True):
             meta = out["meta_info"]
             spans = meta.get("weight_versions") or []
+            if adapter_version is not None:  # the adapter is the version: one span over every token
+                spans = [{"start": 0, "end": len(out["output_ids"]), "version": str(adapter_version)}]
             versions = list(dict.fromkeys(_version_number(v.get("version")) for v in spans))
             results.append(
                 GenerateResult(

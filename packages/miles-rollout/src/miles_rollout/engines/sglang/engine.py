@@ -10,6 +10,8 @@ The engine puts together one part per concern, each in its own module:
   from the published HF tensors, so equality is bit-exact without reading weights back;
 - `recovery.py`: a restarted or re-admitted server gets the current version (kept in this process) and
   is verified before it serves again;
+- `adapters.py`: with `sync.lora: adapter`, pushes are LoRA adapters, each loaded by name and named by the calls
+  made after it (the base weights never change);
 - `server.py` launches and stops one server process.
 """
 
@@ -26,6 +28,7 @@ import torch
 
 from miles_rollout.config import PauseMode, SGLangEngineConfig
 from miles_rollout.engines.checkpoint import engine_dtype, tied_embeddings
+from miles_rollout.engines.sglang.adapters import AdapterServing, server_flags
 from miles_rollout.engines.sglang.calls import ServerCalls
 from miles_rollout.engines.sglang.dispatch import Dispatcher
 from miles_rollout.engines.sglang.pause import PauseControl
@@ -53,11 +56,23 @@ class SGLangEngine:
         seed: int = 0,
         packed: str | None = None,
         gpu_ids: list[list[str]] | None = None,
+        lora: dict | None = None,
     ) -> None:
         """`packed`: pushes carry the linear weights packed in this format (`sync.quant_wire: packed`); the servers
         then start from a packed copy of the checkpoint written under the log folder (attached servers must
         already serve one: `miles_sync.formats.packed.write_packed_checkpoint`). GPU only. `gpu_ids`: each
-        server's GPUs (the resource plan's, `miles_control.placement`); None leaves the choice to SGLang."""
+        server's GPUs (the resource plan's, `miles_control.placement`); None leaves the choice to SGLang.
+        `lora`: PEFT `LoraConfig` keyword arguments of the adapter the pushes carry (`sync.lora: adapter`); the
+        servers start with SGLang's LoRA support (attached servers must already have it) and serve each pushed
+        version by name (`adapters.py`)."""
+        if lora is not None and packed is not None:
+            raise ValueError("sync.lora: adapter pushes no packed weights: sync.quant_wire must be values")
+        if lora is not None and not config.urls:
+            config = config.model_copy(
+                update={"extra_args": [*config.extra_args, *server_flags(lora, use_cpu(config))]}
+            )
+        self.lora = lora
+        self._adapters: AdapterServing | None = None
         self.config = config
         self.model_path = Path(model_path)
         self.packed = packed
@@ -116,6 +131,9 @@ class SGLangEngine:
         self._pause = PauseControl(self.slots, self.router, self._calls)
         self._dispatcher = Dispatcher(config, self.slots, self.router)
         self._weights.attach(self.router, self._pause)
+        if self.lora is not None:
+            self._adapters = AdapterServing(self.lora, self._log_dir / "adapters", self.slots, self._calls)
+            self._dispatcher.adapters = self._adapters
 
     def _packed_checkpoint(self, fmt: str) -> Path:
         if not self.config.urls and use_cpu(self.config):
@@ -150,8 +168,8 @@ class SGLangEngine:
 
     def receiver_ranks(self) -> int:
         """Receiving ranks this engine brings to a collective weight push: itself (the verifier) and every server
-        rank."""
-        return self._weights.receiver_ranks()
+        rank; with adapters, itself alone (it writes the adapter for the servers)."""
+        return 1 if self.lora is not None else self._weights.receiver_ranks()
 
     # ---- generation, pause, health --------------------------------------------------------------
 
@@ -164,8 +182,14 @@ class SGLangEngine:
         await self._dispatcher.abort(request_ids)
 
     async def pause(self, mode: PauseMode = "in_place") -> None:
-        """Stop new calls; pause (with `mode`) the servers that have requests in flight."""
+        """Stop new calls; pause (with `mode`) the servers that have requests in flight. With adapters the servers
+        go on: a running call keeps the adapter it started with, so only new calls wait for the next one."""
         began = time.time()
+        if self._adapters is not None:
+            assert self.router is not None
+            self.router.hold(wait_for_probe=False)
+            self._add_phase("pause/servers", time.time() - began)
+            return
         self._pause.pause(mode)
         self._add_phase("pause/probe_wait", self._pause.probe_wait_s)
         self._add_phase("pause/servers", time.time() - began - self._pause.probe_wait_s)
@@ -210,6 +234,8 @@ class SGLangEngine:
         `check_later`, `weight_fingerprint()` does, and the previous version is kept for `roll_back()`). A push
         that fails once a server was touched (a load, or the check after it) is rolled back: the version held
         before is reloaded into every server and verified (`_roll_back`)."""
+        if self._adapters is not None:
+            return self._receive_adapter(handle, check_later)
         with self._busy:
             self._versions.begin(check_later)
             try:
@@ -239,9 +265,32 @@ class SGLangEngine:
             self._delta_base = handle.weight_version
         return "" if check_later else self._weights.fingerprint
 
+    def _receive_adapter(self, handle: WeightHandle, check_later: bool) -> str:
+        """An adapter push: loaded by name into every server (`AdapterServing`); a failure leaves the calls on the
+        adapter they used before (the servers may hold the new one too, unused)."""
+        assert self._adapters is not None
+        with self._busy:
+            self._adapters.timing = {}
+            try:
+                fingerprint = self._adapters.receive(handle, keep_previous=check_later)
+            except ValueError:
+                raise  # refused whole before any server was asked to load: names this engine
+            except Exception as exc:
+                held = f"new calls still use version {self._adapters.current or 0}'s adapter"
+                raise WeightPushError(self.describe(), handle.weight_version, held, exc) from exc
+            finally:
+                for part, seconds in self._adapters.timing.items():
+                    self._add_phase(f"load/{part}", seconds)
+            self._versions.version = handle.weight_version  # the adapters keep what a roll-back needs
+        return "" if check_later else fingerprint
+
     def roll_back(self) -> int:
         """Back to the version a `receive(..., check_later=True)` replaced: reloaded into every admitted server from
         this process's copy, and verified (with `verify_weights`)."""
+        if self._adapters is not None:
+            with self._busy:
+                self._versions.version = self._adapters.roll_back()
+                return self._versions.version
         with self._busy:
             version, replaced = self._versions.roll_back(self.describe())
             self._weights.reinstate(replaced)
@@ -255,6 +304,8 @@ class SGLangEngine:
         """The check after `receive(..., check_later=True)` passed: the copy kept for a roll-back goes."""
         with self._busy:
             self._versions.drop_previous()
+            if self._adapters is not None:
+                self._adapters.drop_previous()
 
     def describe(self) -> str:
         """This engine in an error message: its servers' addresses."""
@@ -279,7 +330,10 @@ class SGLangEngine:
 
     def weight_fingerprint(self) -> str:
         """The HF-layout fingerprint of the weights every admitted server holds (verified now, except for packed
-        weights: see `_server_check`). Under the weight lock: a recovery does not reload a server meanwhile."""
+        weights: see `_server_check`). Under the weight lock: a recovery does not reload a server meanwhile. With
+        adapters: the fingerprint of the adapter the servers were given (`adapters.py`)."""
+        if self._adapters is not None:
+            return self._adapters.fingerprint
         with self._busy:
             for slot in [s for s in self.slots if s.admitted and self.packed is None]:
                 self._weights.verify(slot, self._versions.version)
@@ -287,6 +341,10 @@ class SGLangEngine:
 
     def _recover(self, slot: Slot) -> None:
         """Called by the router (health thread, `_busy` held): bring a quarantined slot back in sync."""
+        if self._adapters is not None:  # the base weights never change: the version the servers started with
+            recover(slot, self.config, self._launch, self._weights, 0)
+            self._adapters.restore(slot)
+            return
         recover(slot, self.config, self._launch, self._weights, self._versions.version)
 
     def shutdown(self) -> None:

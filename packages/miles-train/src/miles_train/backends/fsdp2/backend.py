@@ -1,5 +1,7 @@
 """FSDP2 trainer backend: the HF model (`convert.py`), `fully_shard` per layer (`parallelize.py`), gloo on CPU /
-NCCL on GPU, the shared GRPO update."""
+NCCL on GPU, the shared GRPO update. With `train.lora` the model is wrapped by PEFT before it is sharded
+(miles_train.lora): the base frozen, the optimizer over the adapter, pushes of the adapter or the merged weights,
+checkpoints with the adapter in PEFT's layout."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from miles_train import lora
 from miles_train.backends.checkpoint import TrainerState
 from miles_train.backends.common import FullStateBackend, full_tensor
 from miles_train.backends.fsdp2 import convert
@@ -26,7 +30,8 @@ class FSDP2Backend(FullStateBackend):
 
     def _set_up(self, model_path: str | Path) -> None:
         self.loss_scale = float(self.world_size)  # FSDP2 averages over ranks: × world_size gives the global token mean
-        self.model = self._load(model_path)
+        self.model_path = str(model_path)
+        self.model = self._load(model_path, adapter=self.config.lora is not None)
         self.hf_config = self.model.config
         self.optimizer = self._adamw()
         if self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher
@@ -37,8 +42,11 @@ class FSDP2Backend(FullStateBackend):
 
             self.scaler = ShardedGradScaler(device=self.device.type)
 
-    def _load(self, model_path: str | Path) -> torch.nn.Module:
+    def _load(self, model_path: str | Path, adapter: bool = False) -> torch.nn.Module:
         model = convert.load_hf_model(model_path, self.device)
+        if adapter:  # PEFT wraps the transformers modules; FSDP2 then shards the wrapped model
+            assert self.config.lora is not None
+            model = lora.wrap(model, self.config.lora.peft_kwargs(), model_path)
         return apply_fsdp(model, self.config.precision)
 
     def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
@@ -66,15 +74,84 @@ class FSDP2Backend(FullStateBackend):
         return norm
 
     def _hf_state(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors under HF names on rank 0 (collective); with an adapter, the merged weights."""
         state = self._full_state()
+        if self.config.lora is not None and self.rank == 0:
+            state = lora.merged(state, lora.scaling_of(self.config.lora.peft_kwargs()))
         return dict(convert.to_hf(self.hf_config, state)) if self.rank == 0 else {}
+
+    def _adapter(self) -> list[tuple[str, torch.Tensor]]:
+        """The adapter's matrices whole under PEFT's save names (collective), on every rank."""
+        self._param_shards()  # reshards: the parameters below are the sharded ones
+        return list(lora.full_adapter(self.model))
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """On rank 0: the checkpoint's tensors under HF names; with `train.lora` and `sync.lora: adapter`, the
+        adapter alone (every rank takes part in the gather)."""
+        if self.config.lora is None or self.lora_push == "merge":
+            yield from super().export_weights()
+            return
+        adapter = self._adapter()
+        if self.rank == 0:
+            yield from adapter
+
+    def save(self, directory: str | Path) -> None:
+        """The common checkpoint (with an adapter: the merged weights, loadable as an HF model, the adapter's
+        optimizer state) and, with `train.lora`, the adapter in PEFT's layout under `adapter/`."""
+        super().save(directory)
+        if self.config.lora is not None:
+            adapter = self._adapter()
+            if self.rank == 0:
+                kwargs = self.config.lora.peft_kwargs()
+                lora.save_adapter(Path(directory) / lora.ADAPTER_DIR, kwargs, self.model_path, adapter)
+            dist.barrier()
+
+    def _load_weights(self, directory: Path, hf_state: dict[str, torch.Tensor]) -> None:
+        """Full fine-tuning: the checkpoint's weights. With `train.lora`: its adapter (`adapter/`), onto the job's
+        base model; a checkpoint and a job that disagree on having one are refused, naming train.lora."""
+        folder = directory / lora.ADAPTER_DIR
+        if self.config.lora is None:
+            if folder.is_dir():
+                raise ValueError(
+                    f"train.lora: checkpoint {directory} holds a LoRA adapter (its base frozen, the optimizer state "
+                    "the adapter's); resume it with train.lora set as it was, or export its merged weights "
+                    "(`miles export --merged`) and start a full fine-tuning job from them"
+                )
+            super()._load_weights(directory, hf_state)
+            return
+        if not folder.is_dir():
+            raise ValueError(
+                f"train.lora: checkpoint {directory} holds no adapter (it was written by full fine-tuning); start the "
+                "LoRA job from its weights as the model (model.path) instead of resuming it"
+            )
+        kwargs = self.config.lora.peft_kwargs()
+        saved, tensors = lora.read_adapter(folder)
+        lora.check_same_adapter(saved, kwargs, str(folder))
+        params = lora.adapter_params(self.model)
+        missing = sorted(set(params) - set(tensors))
+        if missing:
+            raise ValueError(f"train.lora: the adapter in {folder} lacks {len(missing)} matrices, e.g. {missing[:2]}")
+        self._param_shards()  # reshards: the parameters below are the sharded ones
+        with torch.no_grad():
+            for name, param in params.items():
+                value = tensors[name].to(device=self.device, dtype=param.dtype)
+                if hasattr(param, "device_mesh"):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    value = distribute_tensor(value, param.device_mesh, param.placements)
+                param.copy_(value)
 
     def _from_hf(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return convert.from_hf(self.hf_config, hf_state)
 
     def export_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters as FSDP2 holds them: `Shard(0)` DTensors under HF names (the model is the
-        transformers model), with no collective; the `p2p` transport sends each rank's rows itself."""
+        transformers model), with no collective; the `p2p` transport sends each rank's rows itself. (Not with
+        `train.lora`: the job spec refuses p2p there.)"""
+        if self.config.lora is not None:
+            raise ValueError(
+                "train.lora: an adapter is pushed whole from rank 0, not as row shards (sync.transport p2p)"
+            )
         yield from convert.to_hf(self.hf_config, get_model_state_dict(self.model))
 
     def _state(self) -> TrainerState:

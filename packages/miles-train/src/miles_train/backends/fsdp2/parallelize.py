@@ -7,7 +7,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    # Llama/Qwen2/Mistral families keep their blocks at model.model.layers.
+    # Llama/Qwen2/Mistral families keep their blocks at model.model.layers (inside a LoRA wrapper: its base model's).
+    from miles_train.lora import base_model
+
+    model = base_model(model)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:

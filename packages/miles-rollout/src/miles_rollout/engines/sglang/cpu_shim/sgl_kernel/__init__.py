@@ -24,3 +24,31 @@ def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
     return _MissingOp(name)
+
+
+def _without_pinned_memory() -> None:
+    """SGLang's LoRA layers and memory pool (`--enable-lora`) allocate host buffers with `pin_memory=True`, which
+    needs a CUDA driver: on a machine without one, pinned memory is plain host memory here (what pinning buys,
+    faster host-to-GPU copies, has no meaning without a GPU). SGLang imports this module in every server process
+    before it builds a model, so the patch is in place for them all."""
+    import functools
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+
+    def unpinned(factory: Any) -> Any:
+        @functools.wraps(factory)
+        def make(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return make
+
+    for name in ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like", "ones_like"):
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+
+
+_without_pinned_memory()

@@ -1,0 +1,224 @@
+"""LoRA against full fine-tuning on a real model: bytes per push, push time and the trainer–engine mismatch.
+
+SmolLM2-135M-Instruct as it ships (bf16, tied embeddings), real questions rendered with its chat template, GRPO,
+`--steps` steps per configuration, engine and trainer (fsdp2, one rank) in one process (`miles_control.inprocess`):
+
+- **full fine-tuning, hf engine**: every weight trains and every push carries the whole model;
+- **LoRA, adapter push, hf engine** (`train.lora`, `sync.lora: adapter`): the adapter trains, a push carries its
+  matrices alone, the engine applies them to the base it holds (PEFT);
+- with SGLang (not `--quick`): **full fine-tuning**, **LoRA, adapter push** (each version loaded by name,
+  generation never paused) and **LoRA, merged push** (`sync.lora: merge`: the merged weights, loaded and checked as
+  a full push is).
+
+Reported per configuration: bytes per push and their share of the full push, push seconds, mean |trainer − engine|
+logprob per token per step (step 1 is generated before any push), and the adapter's share of the model's
+parameters projected by its formula (rank × (in + out) per adapted linear) for larger models of the same families.
+
+`--demo-steps N` adds the demo (examples/arithmetic.yaml, the built-in tiny model) trained N steps with full
+fine-tuning and with LoRA, on the hf and the sglang engines (one job each, `miles_control.sweep`): held-out
+accuracy before and after, and wall time.
+
+    python bench/lora.py                  # hf and SGLang engines, 3 steps of 8 prompts × 4 samples
+    python bench/lora.py --demo-steps 60  # and the demo's learning, full against LoRA
+    python bench/lora.py --quick          # the hf engine, 2 steps of 2 prompts (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import machine, table  # noqa: E402
+
+LORA = {"rank": 8, "alpha": 16.0}  # every attention and MLP projection (train.lora's default targets)
+# Larger models of the same families (config.json fields), for the projection.
+SHAPES = {
+    "Llama-3.1-8B": {"hidden": 4096, "layers": 32, "intermediate": 14336, "heads": 32, "kv_heads": 8, "params": 8.03e9},
+    "Qwen2.5-32B": {"hidden": 5120, "layers": 64, "intermediate": 27648, "heads": 40, "kv_heads": 8, "params": 32.8e9},
+}
+
+
+def adapter_params(hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int, rank: int) -> int:
+    """LoRA parameters on q, k, v, o, gate, up and down of every layer: rank × (in + out) each."""
+    kv = hidden // heads * kv_heads
+    per_layer = (hidden + hidden) + (hidden + kv) * 2 + (hidden + hidden) + (hidden + intermediate) * 3
+    return rank * per_layer * layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="hf engine, 2 steps of 2 prompts (CI)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
+    parser.add_argument("--demo-steps", type=int, default=0, help="also train the demo this many steps, full vs LoRA")
+    parser.add_argument("--demo-lr", type=float, default=1e-3, help="the demo's LoRA learning rate (full: the spec's)")
+    args = parser.parse_args()
+    steps = args.steps or (2 if args.quick else 3)
+    num_prompts = 2 if args.quick else 8
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from miles_control.assets import build_packaged_model
+    from miles_control.config import PackagedModelConfig
+    from miles_control.inprocess import reset_engine, run_steps
+    from miles_rollout import HFEngineConfig, build_engine
+    from miles_rollout.config import SGLangEngineConfig
+    from miles_rollout.data import load_prompts
+    from miles_rollout.prompts import PromptEncoder
+    from miles_train import TrainConfig
+
+    torch.set_num_threads(2)
+    model_dir = build_packaged_model(PackagedModelConfig(source="package"))
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_dir), "model")
+    records = load_prompts(Path(__file__).resolve().parents[1] / "examples" / "capitals" / "capitals.jsonl")
+    prompts = [encoder.encode(r) for r in records[:num_prompts]]
+    peft_kwargs = TrainConfig.model_validate({"lora": LORA}).lora.peft_kwargs()  # type: ignore[union-attr]
+    # (engine, train.lora, sync.lora, learning rate): an adapter learns at a larger rate than the whole model
+    configs = {
+        "full fine-tuning, hf engine": ("hf", False, "adapter", 1e-5),
+        "LoRA r=8, adapter push, hf engine": ("hf", True, "adapter", 1e-4),
+    }
+    if not args.quick:
+        configs |= {
+            "full fine-tuning, sglang engine": ("sglang", False, "adapter", 1e-5),
+            "LoRA r=8, adapter push, sglang engine": ("sglang", True, "adapter", 1e-4),
+            "LoRA r=8, merged push, sglang engine": ("sglang", True, "merge", 1e-4),
+        }
+    work = Path(tempfile.mkdtemp(prefix="miles-lora-bench-"))
+    results: dict[str, list[dict]] = {}
+    for name, (engine_type, lora, push, lr) in configs.items():
+        config = (
+            HFEngineConfig()
+            if engine_type == "hf"
+            else SGLangEngineConfig(type="sglang", max_total_tokens=16384, log_dir=str(work))
+        )
+        adapter = peft_kwargs if lora and push == "adapter" else None
+        engine = build_engine(config, model_dir, seed=0, lora=adapter)
+        try:
+            if adapter is None:  # an adapter engine holds the base as loaded: nothing to reset
+                reset_engine(engine, model_dir, "bfloat16", work / "reset")
+            train = {"backend": "fsdp2", "optimizer": {"lr": lr}, **({"lora": LORA} if lora else {})}
+            results[name] = run_steps(
+                engine, model_dir, "bfloat16", train, prompts, num_steps=steps, temperature=1.0, max_new_tokens=12,
+                lora_push=push,
+            )  # fmt: skip
+        finally:
+            engine.shutdown()
+        print(f"{name}: {results[name][-1]['num_bytes'] / 1e6:.2f} MB per push", flush=True)
+
+    full = {engine: r[0]["num_bytes"] for name, r in results.items() for engine in ("hf", "sglang")
+            if name == f"full fine-tuning, {engine} engine"}  # fmt: skip
+    rows = []
+    for name, per_step in results.items():
+        assert all(s["weights_match"] for s in per_step), f"{name}: a push failed the weight check"
+        engine_type = configs[name][0]
+        sent = per_step[0]["num_bytes"]
+        rows.append(
+            [
+                name,
+                f"{sent / 1e6:.2f}",
+                f"{sent / full[engine_type]:.4f}",
+                sum(s["push_s"] for s in per_step) / len(per_step),
+                " / ".join(f"{s['train/logprob_diff']:.3f}" for s in per_step),
+                sum(s["train_s"] for s in per_step) / len(per_step),
+            ]
+        )
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    shape = {
+        "hidden": hf_config.hidden_size,
+        "layers": hf_config.num_hidden_layers,
+        "intermediate": hf_config.intermediate_size,
+        "heads": hf_config.num_attention_heads,
+        "kv_heads": hf_config.num_key_value_heads,
+    }
+    total = sum(p.numel() for p in _model(model_dir).parameters())
+    projection = [["SmolLM2-135M (this run)", adapter_params(**shape, rank=LORA["rank"]) / total]]
+    for model, s in SHAPES.items():
+        params = s.pop("params")
+        projection.append([f"{model} (formula)", adapter_params(**s, rank=LORA["rank"]) / params])
+        s["params"] = params
+    report = [
+        f"# LoRA against full fine-tuning ({steps} steps, fsdp2, one rank)",
+        "",
+        f"Machine: {machine()}. SmolLM2-135M-Instruct (bf16, tied), {num_prompts} prompts × 4 samples per step, "
+        "temperature 1.0, up to 12 new tokens; LoRA rank 8, alpha 16 on q/k/v/o/gate/up/down, lr 1e-4 (full: "
+        "1e-5). Step 1 is generated before any push. Pushes in the engines' dtype (bf16).",
+        "",
+        table(
+            [
+                "configuration",
+                "MB per push",
+                "share of the full push",
+                "push s",
+                "mean |Δ logprob| per step",
+                "train s/step",
+            ],
+            rows,
+        ),
+        "",
+        "Adapter (rank 8 on the 7 projections) as a share of the model's parameters:",
+        "",
+        table(["model", "adapter / model parameters"], projection),
+        "",
+    ]
+    if args.demo_steps:
+        report += demo_learning(args.demo_steps, args.demo_lr, work)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(report))
+    print("\n".join(report))
+
+
+def demo_learning(steps: int, lora_lr: float, work: Path) -> list[str]:
+    """The demo trained `steps` steps, full against LoRA, on each engine: one job per variant, in one store."""
+    from miles_control.spec import load_spec
+    from miles_control.sweep import sweep
+
+    base = load_spec(
+        Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml", [f"schedule.num_steps={steps}"]
+    )
+    lora = {"train.lora": LORA, "train.optimizer.lr": lora_lr}
+    hf, sglang = {"rollout.engine": {"type": "hf"}}, {"rollout.engine": {"type": "sglang"}}
+    variants = {
+        "full, hf": hf,
+        "LoRA, hf (adapter push)": {**hf, **lora},
+        "full, sglang": sglang,
+        "LoRA, sglang (adapter push)": {**sglang, **lora},
+    }
+    runs = sweep(base, variants, work / "demo", on_run=lambda store, run: print(f"demo {run.name}: job {run.job_id}"))
+    rows = []
+    for run in runs:
+        summary = run.summary
+        if summary is None:
+            rows.append([run.name, run.refused or "failed", "", "", "", ""])
+            continue
+        curve = dict(summary.eval_accuracy)
+        first, last = curve.get(0, float("nan")), curve[max(curve)]
+        pushed = [s.total_s for s in summary.stages if s.stage == "weight_sync"]
+        rows.append([run.name, f"{first:.3f}", f"{last:.3f}", f"{last - first:+.3f}", summary.wall_s,
+                     pushed[0] / max(len(summary.weight_sync_s), 1) if pushed else 0.0])  # fmt: skip
+    return [
+        f"## The demo's learning, full fine-tuning against LoRA ({steps} steps)",
+        "",
+        f"examples/arithmetic.yaml (the built-in tiny Qwen2, 64 prompts × 8 samples per step, sync schedule), "
+        f"{steps} steps; full fine-tuning at the spec's lr, LoRA rank 8 / alpha 16 on the 7 projections at lr "
+        f"{lora_lr:g}. Held-out accuracy on 500 prompts.",
+        "",
+        table(["variant", "accuracy before", "after", "gain", "wall s", "s per push"], rows),
+        "",
+    ]
+
+
+def _model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir))
+
+
+if __name__ == "__main__":
+    main()

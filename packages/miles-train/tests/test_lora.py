@@ -1,0 +1,169 @@
+"""LoRA on the fsdp2 backend (train.lora, through PEFT): the base stays frozen, the optimizer holds the adapter
+alone, a push sends the adapter under PEFT's names or the merged weights, the merge is PEFT's own, ranks agree,
+and a checkpoint (the adapter in PEFT's layout) resumes to the same next step."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_train import TrainConfig
+
+RANK_SCRIPT = Path(__file__).with_name("lora_rank.py")
+TARGETS = ("q_proj", "v_proj")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(model_dir, world_size: int, tmp_path) -> dict:
+    out, ckpt = tmp_path / f"lora-ws{world_size}.pt", tmp_path / f"ckpt-ws{world_size}"
+    ports = [str(free_port()), str(free_port())]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(RANK_SCRIPT),
+                str(model_dir),
+                str(r),
+                str(world_size),
+                ports[0],
+                str(out),
+                str(ckpt),
+                ports[1],
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for r in range(world_size)
+    ]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    failed = [f"rank {r}:\n{log[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode]
+    assert not failed, "\n".join(failed)
+    return {**torch.load(out, weights_only=False), "ckpt": ckpt}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora")
+    return {n: run_ranks(tiny_model_dir, n, tmp) for n in (1, 2)}
+
+
+def checkpoint_weights(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def test_only_the_adapter_trains_and_its_push_is_the_adapter_alone(runs, tiny_model_dir):
+    run = runs[1]
+    base = checkpoint_weights(tiny_model_dir)
+    assert set(run["merged_before"]) == set(base)
+    for name, tensor in run["merged_before"].items():  # B starts at zero: the merged model is the base
+        assert torch.equal(tensor, base[name]), name
+    adapter = run["adapter_saved"]
+    layers = {name.split(".layers.")[1].split(".")[0] for name in base if ".layers." in name}
+    assert len(adapter) == 2 * len(TARGETS) * len(layers)  # A and B of each targeted linear of each layer
+    assert all(n.startswith("base_model.model.model.layers.") and ".lora_" in n and ".default." not in n
+               for n in adapter)  # fmt: skip
+    assert all(float(t.abs().max()) > 0 for n, t in adapter.items() if ".lora_B." in n)  # B moved off zero
+    moved = {n for n, t in run["merged_saved"].items() if not torch.equal(t, base[n])}
+    assert moved and all(n.endswith(tuple(f"{m}.weight" for m in TARGETS)) for n in moved), sorted(moved)
+    assert run["optimizer_params"] == len(adapter)  # AdamW state for the adapter's matrices alone
+    assert all(m["train/kl"] >= 0 for m in run["metrics"]) and run["metrics"][1]["train/kl"] > 0  # KL to the base
+
+
+def test_the_merged_push_is_peft_merge_of_the_saved_adapter(runs, tiny_model_dir):
+    """The checkpoint's adapter/ is PEFT's layout: PeftModel loads it, and its merge_and_unload equals the
+    merged weights a push sends."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = runs[1]
+    folder = run["ckpt"] / "adapter"
+    assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(folder))
+    peft_merged = model.merge_and_unload().state_dict()
+    for name, tensor in run["merged_saved"].items():
+        torch.testing.assert_close(tensor, peft_merged[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_two_ranks_train_the_adapter_one_rank_does(runs):
+    for name, tensor in runs[1]["adapter_before"].items():  # the same start on every rank, whatever the seed
+        assert torch.equal(tensor, runs[2]["adapter_before"][name]), name
+    for name, tensor in runs[1]["adapter_saved"].items():
+        torch.testing.assert_close(runs[2]["adapter_saved"][name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_checkpoint_resumes_to_the_same_next_step(runs, world_size):
+    run = runs[world_size]
+    assert run["step_loaded"] == 2
+    for name, tensor in run["adapter_saved"].items():
+        assert torch.equal(run["adapter_loaded"][name], tensor), name
+    for name, tensor in run["adapter_third"].items():  # the optimizer state came back too
+        torch.testing.assert_close(run["adapter_third_resumed"][name], tensor, rtol=0, atol=1e-7, msg=name)
+    assert run["third_resumed"]["train/loss"] == pytest.approx(run["third"]["train/loss"], abs=1e-6)
+
+
+def test_a_checkpoint_and_a_job_that_disagree_on_the_adapter_are_refused(runs, tiny_model_dir, tmp_path):
+    """Resuming the LoRA checkpoint without train.lora (or with another rank), or a full checkpoint with it."""
+    import shutil
+
+    from miles_train import build_backend
+
+    ckpt = runs[1]["ckpt"]
+    plain = build_backend(TrainConfig(), tiny_model_dir, 0, 1, f"tcp://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(ValueError, match=r"train.lora: checkpoint .* holds a LoRA adapter"):
+            plain.load(ckpt)
+        full = tmp_path / "full"
+        plain.save(full)
+    finally:
+        plain.shutdown()
+    other = TrainConfig.model_validate({"lora": {"rank": 2, "target_modules": list(TARGETS)}})
+    adapter = build_backend(other, tiny_model_dir, 0, 1, f"tcp://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(ValueError, match=r"train.lora: checkpoint .* holds no adapter"):
+            adapter.load(full)
+        with pytest.raises(ValueError, match=r"trained with rank 4 \(this job: 2\); alpha 8.0 \(this job: 16.0\)"):
+            adapter.load(ckpt)
+        broken = shutil.copytree(ckpt, tmp_path / "broken")
+        (broken / "adapter" / "adapter_model.safetensors").unlink()
+        with pytest.raises(FileNotFoundError, match="adapter_model.safetensors is missing"):
+            adapter.load(broken)
+    finally:
+        adapter.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("train", "message"),
+    [
+        ({"backend": "megatron", "lora": {}}, r"train.lora: backend megatron cannot train an adapter \(megatron-core"),
+        ({"backend": "torchtitan", "lora": {}}, r"train.lora: backend torchtitan cannot train an adapter"),
+        ({"lora": {}, "quantization": "int4"}, r"train.lora with train.quantization: int4"),
+        ({"lora": {"rank": 0}}, r"rank"),
+        ({"lora": {"target_modules": []}}, r"target_modules"),
+    ],
+)
+def test_a_lora_spec_a_backend_cannot_run_is_refused_naming_why(train, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.model_validate(train)
+
+
+def test_target_modules_the_model_lacks_are_refused_naming_the_field(tiny_model_dir):
+    from miles_train import build_backend
+
+    config = TrainConfig.model_validate({"lora": {"target_modules": ["query_key_value"]}})
+    with pytest.raises(
+        ValueError, match=r"train.lora.target_modules \['query_key_value'\]: .*linear modules: .*q_proj"
+    ):
+        build_backend(config, tiny_model_dir, 0, 1, f"tcp://127.0.0.1:{free_port()}")
