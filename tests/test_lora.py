@@ -4,7 +4,6 @@ the merged model; SGLang generates with the merged weights (sync.lora: merge).""
 
 import asyncio
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,18 +12,13 @@ import pytest
 import torch
 
 from miles_control.config import JobSpec
+from miles_control.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "miles-train" / "tests"))
 from backend_rank import contract_batch  # noqa: E402
 
 SMALL = ["rollout.num_prompts_per_step=16", "rollout.eval.num_prompts=50", "rollout.eval.every_steps=2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -103,9 +97,29 @@ def run_job(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProces
     return result, url
 
 
-@pytest.mark.slow
-def test_a_lora_job_pushes_the_adapter_to_the_hf_engine_and_exports_it(tmp_path):
+def check_exports(tmp_path: Path, url: str, model: Path) -> None:
+    """`miles export` of the job's final checkpoint: the adapter (PEFT's folder, with the tokenizer) and, with
+    --merged, the merged model; PEFT's merge of the one computes what the other does."""
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_out, merged_out = tmp_path / "adapter", tmp_path / "merged"
+    cli = [sys.executable, "-m", "miles_control.cli", "export", "1"]
+    for out, extra in ((adapter_out, []), (merged_out, ["--merged"])):
+        done = subprocess.run([*cli, str(out), "--store", url, *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr + done.stdout
+    assert (adapter_out / "adapter_model.safetensors").is_file() and (adapter_out / "tokenizer_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(adapter_out)).merge_and_unload()
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_out), dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft(ids).logits, merged(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_lora_job_pushes_the_adapter_to_the_hf_engine_and_exports_it(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from miles_control.store import Store
@@ -125,21 +139,7 @@ def test_a_lora_job_pushes_the_adapter_to_the_hf_engine_and_exports_it(tmp_path)
     full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     assert all(0 < p.num_bytes < 0.5 * full_bytes for p in pushes), [p.num_bytes for p in pushes]
 
-    adapter_out = tmp_path / "adapter"
-    cli = [sys.executable, "-m", "miles_control.cli", "export", "1"]
-    done = subprocess.run([*cli, str(adapter_out), "--store", url], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr + done.stdout
-    assert (adapter_out / "adapter_model.safetensors").is_file() and (adapter_out / "tokenizer_config.json").is_file()
-    merged_out = tmp_path / "merged"
-    done = subprocess.run(
-        [*cli, str(merged_out), "--store", url, "--merged"], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr + done.stdout
-    peft = PeftModel.from_pretrained(base, str(adapter_out)).merge_and_unload()
-    merged = AutoModelForCausalLM.from_pretrained(str(merged_out), dtype=torch.float32)
-    ids = torch.tensor([[5, 6, 7, 8]])
-    with torch.no_grad():
-        torch.testing.assert_close(peft(ids).logits, merged(ids).logits, rtol=1e-4, atol=1e-4)
+    check_exports(tmp_path, url, model)
 
 
 @pytest.mark.slow
@@ -153,7 +153,7 @@ def test_sglang_serves_each_pushed_adapter_by_name_without_pausing(tmp_path):
     logs = tmp_path / "sglang-logs"
     _, url = run_job(
         tmp_path, "rollout.engine.type=sglang", f"rollout.engine.log_dir={logs}", "train.lora={rank: 8, alpha: 16}",
-        "schedule.num_steps=3",
+        "schedule.num_steps=3", "schedule.save_final=true",
     )  # fmt: skip
     store = Store(url)
     assert store.job(1).status == "succeeded", store.job(1).error
@@ -170,6 +170,7 @@ def test_sglang_serves_each_pushed_adapter_by_name_without_pausing(tmp_path):
     for version in (1, 2, 3):
         assert f"lora_name=miles-v{version}" in log, version
     assert re.search(r"unloading completes: LoRARef\(lora_id=\w+, lora_name=miles-v1\)", log)  # gone once v3 came
+    check_exports(tmp_path, url, Path(next(e.data["path"] for e in store.events(1) if e.kind == "model")))
 
 
 @pytest.mark.slow

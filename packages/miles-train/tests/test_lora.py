@@ -9,18 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_control.testing import free_port
 from miles_train import TrainConfig
 
 RANK_SCRIPT = Path(__file__).with_name("lora_rank.py")
 TARGETS = ("q_proj", "v_proj")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(model_dir, world_size: int, tmp_path) -> dict:

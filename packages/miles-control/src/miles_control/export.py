@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -62,6 +64,24 @@ def find_checkpoint(store_url: str, job_id: int, step: int | None = None) -> tup
         store.engine.dispose()
 
 
+@contextmanager
+def written_whole(out: Path) -> Iterator[Path]:
+    """A folder to fill, written beside `out` (which must not exist, or be empty) and moved into place once the block
+    ends without an error: a failed export leaves nothing."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"OUT: {out} exists and is not an empty folder; choose another (nothing was written)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield staging
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def model_folder_of(store, job_id: int) -> Path | None:
     """The model folder the job ran (its `model` event), where its tokenizer is."""
     folders = [e.data.get("path") for e in store.events(job_id) if e.kind == "model"]
@@ -83,7 +103,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_folder: Path | None = N
     if not (checkpoint / "config.json").is_file() or not weights.is_file():
         raise ExportError(f"JOB_OR_CHECKPOINT: {checkpoint} is not a Miles checkpoint (no config.json and "
                           "model.safetensors)")  # fmt: skip
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before the weights are read
         raise ExportError(f"OUT: {out} exists and is not an empty folder; choose another (nothing was written)")
     source = model_folder if model_folder is not None else checkpoint
     if not any((source / name).is_file() for name in TOKENIZER_FILES):
@@ -100,9 +120,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_folder: Path | None = N
         chosen = str(next(iter(state.values())).dtype).removeprefix("torch.")
     target = getattr(torch, chosen)
     state = {name: t.to(target) if t.is_floating_point() else t for name, t in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with written_whole(out) as staging:
         config["torch_dtype"] = chosen
         if "dtype" in config:
             config["dtype"] = chosen
@@ -113,12 +131,6 @@ def export_checkpoint(checkpoint: Path, out: Path, model_folder: Path | None = N
                 shutil.copy2(source / name, staging / name)
             elif name == "generation_config.json" and (checkpoint / name).is_file():
                 shutil.copy2(checkpoint / name, staging / name)
-        if out.exists():
-            out.rmdir()
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 
@@ -138,8 +150,6 @@ def export_adapter(checkpoint: Path, out: Path, model_folder: Path | None = None
         raise ExportError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if not has_adapter(checkpoint):
         raise ExportError(f"JOB_OR_CHECKPOINT: {checkpoint} holds no LoRA adapter (adapter/adapter_config.json)")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"OUT: {out} exists and is not an empty folder; choose another (nothing was written)")
     adapter = checkpoint / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     if model_folder is not None:
@@ -153,19 +163,10 @@ def export_adapter(checkpoint: Path, out: Path, model_folder: Path | None = None
         n: t.to(target) if t.is_floating_point() else t
         for n, t in load_file(str(adapter / "adapter_model.safetensors")).items()
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with written_whole(out) as staging:
         (staging / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, str(staging / "adapter_model.safetensors"))
-        if model_folder is not None:
-            for name in TOKENIZER_FILES:
-                if (model_folder / name).is_file():
-                    shutil.copy2(model_folder / name, staging / name)
-        if out.exists():
-            out.rmdir()
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        for name in TOKENIZER_FILES if model_folder is not None else ():
+            if (model_folder / name).is_file():
+                shutil.copy2(model_folder / name, staging / name)
     return out

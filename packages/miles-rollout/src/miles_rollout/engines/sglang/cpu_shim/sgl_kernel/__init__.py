@@ -46,8 +46,9 @@ def _without_pinned_memory() -> None:
 
         return make
 
-    for name in ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like", "ones_like"):
-        setattr(torch, name, unpinned(getattr(torch, name)))
+    factories = (torch.tensor, torch.empty, torch.zeros, torch.ones, torch.full, torch.arange)
+    for factory in (*factories, torch.empty_like, torch.zeros_like, torch.ones_like):
+        setattr(torch, factory.__name__, unpinned(factory))
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
 
