@@ -65,8 +65,18 @@ def test_one_step_off_overlaps_and_stays_one_version_behind(tmp_path):
     assert len(syncs) == 5, syncs  # a push per step (update_weights_interval 1)
     assert all(s.attrs["trainer_fingerprint"] == s.attrs["engine_fingerprint"] for s in syncs)
     for s in syncs:  # where each push's time went; the hf engine has no servers to pause or check
-        assert set(s.attrs["phases"]) == {"export", "handoff", "pause", "load", "resume"}, s.attrs["phases"]
+        assert set(s.attrs["phases"]) == {"export", "handoff", "wait_batch", "pause", "load", "resume"}, s.attrs
         assert 0 < sum(s.attrs["phases"].values()) <= s.end - s.start + 0.01, (s.attrs["phases"], s.end - s.start)
+    # push_between_batches (the default): each push waited for the batch under way to end, and the batch after it
+    # started once the push had landed: nothing of a batch was in flight while the engine loaded
+    by_step = {r.step: r for r in rollouts}
+    for s in syncs[:-1]:
+        waited_from, waited_to = s.attrs["waited"]
+        assert by_step[s.step + 1].end <= waited_to + 0.05, (s.step, by_step[s.step + 1].end, waited_to)
+        if s.step + 2 in by_step:  # the batch after the last step is not generated
+            assert by_step[s.step + 2].start >= s.end - 0.05, (s.step, by_step[s.step + 2].start, s.end)
+    # a deferred push's metrics are recorded at its own step
+    assert series(store, "sync/weight_version") == {k: float(k) for k in range(1, 6)}
 
 
 @pytest.mark.sglang
@@ -120,7 +130,9 @@ def test_fully_async_respects_max_staleness_and_takes_live_changes(tmp_path):
     assert len(syncs) >= applied_at, syncs  # the pushes before the change and the last step's, at least
     for span in syncs:
         phases = span.attrs["phases"]
-        assert {"export", "handoff", "pause", "pause/probe_wait", "load", "load/verify", "resume"} <= set(phases)
+        assert {"export", "handoff", "wait_batch", "pause", "pause/probe_wait", "load", "load/verify", "resume"} <= set(
+            phases
+        )
         assert all(v >= -0.01 for v in phases.values()), phases
         assert phases["pause/probe_wait"] <= phases["pause"] + 1e-3 and phases["load/verify"] <= phases["load"] + 1e-3
         top = sum(v for k, v in phases.items() if "/" not in k)
@@ -142,6 +154,7 @@ def test_partial_rollouts_continue_what_a_push_aborts(tmp_path):
         "schedule.type=fully_async",
         "schedule.num_steps=8",  # more pushes: under load a push can find no request in flight (6 once saw none)
         "schedule.pause_mode=abort",
+        "schedule.push_between_batches=false",  # push into the requests in flight
         "schedule.max_staleness=2",
         "schedule.buffer_groups=1024",  # never full: the engine generates through every push
         "rollout.partial_rollouts=true",

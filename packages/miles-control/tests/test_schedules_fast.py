@@ -42,6 +42,7 @@ class FakeRuntime:
         self.log: list[tuple] = []  # (what, step, details)
         self.buffer: StalenessBuffer | None = None
         self.groups_made = 0
+        self.pending: int | None = None  # a push between batches not landed yet
 
     # ---- generation ---------------------------------------------------------------------------
     def _batch(self, num_prompts: int) -> RolloutBatch:
@@ -56,6 +57,7 @@ class FakeRuntime:
         return self.collect(step, self.generate_async())
 
     def generate_async(self):
+        self.settle_push()  # the rollout actor starts the batch once the last push landed (after the batch before)
         self.log.append(("generate", None, self.weight_version))
         return self._batch(self.spec.rollout.num_prompts_per_step)
 
@@ -70,6 +72,7 @@ class FakeRuntime:
     def _fill(self) -> None:
         """Generation ran since the last take: the buffer is full of groups of the current engine version."""
         assert self.buffer is not None
+        self.settle_push()  # the stream's call under way ended: a push waiting for it lands
         while len(self.buffer) < self.buffer.capacity:
             samples = self._batch(1).samples
             self.buffer.put(Group(self.groups_made, "1+1=", samples, [self.weight_version], self.clock.now))
@@ -105,16 +108,30 @@ class FakeRuntime:
         self.trainer_version += 1
         return {"train/loss": 1.0 / step}
 
-    def push_weights(self, step: int, version: int | None = None, pause_mode: str = "in_place") -> dict[str, float]:
-        self.weight_version = self.trainer_version if version is None else version
-        self.log.append(("push", step, {"version": self.weight_version, "pause_mode": pause_mode}))
+    def push_weights(
+        self, step: int, version: int | None = None, pause_mode: str = "in_place", between_batches: bool = False
+    ) -> dict[str, float]:
+        self.settle_push()
+        version = self.trainer_version if version is None else version
+        self.log.append(("push", step, {"version": version, "pause_mode": pause_mode, "between": between_batches}))
+        if between_batches:  # lands when the batch under way ends: at the next generation or settle_push
+            self.pending = version
+            return {}
+        self.weight_version = version
+        return {"sync/weight_version": float(version)}
+
+    def settle_push(self, record: bool = True) -> dict[str, float]:
+        if self.pending is None:
+            return {}
+        self.weight_version, self.pending = self.pending, None
+        self.log.append(("landed", None, self.weight_version))
         return {"sync/weight_version": float(self.weight_version)}
 
     def evaluate(self, step: int) -> dict[str, float]:
         return self.record_eval(step, self.eval_result(self.evaluate_async(), True))
 
-    def evaluate_async(self):
-        return SimpleNamespace(version=self.weight_version)
+    def evaluate_async(self):  # on the last pushed version, as the rollout actor waits for it
+        return SimpleNamespace(version=self.weight_version if self.pending is None else self.pending)
 
     def eval_result(self, ref, wait: bool) -> Evaluated:
         return Evaluated(self.clock.now, self.clock.now, {"eval/accuracy": min(1.0, 0.2 * ref.version)})
@@ -239,3 +256,32 @@ def test_the_fake_clock_is_what_the_schedules_read(clock):
     from miles_control.schedules import common
 
     assert common.time.time() == clock.now != time.time()
+
+
+def test_one_step_off_pushes_between_batches_by_default(tmp_path, clock):
+    rt, _ = run(tmp_path, clock, {"type": "one_step_off"}, eval_every=2)
+    assert all(d["between"] for _, d in rt.of("push"))
+    # each push lands once the batch under way was collected, and the batch after it is generated on it
+    order = [(kind, details if kind != "push" else details["version"]) for kind, _, details in rt.log]
+    generated = [v for kind, v in order if kind == "generate"]
+    assert generated == [0, 0, 1, 2, 3, 4]  # step k+2's batch on version k; step k+1's was under way
+    for version in range(1, 5):  # the batches of steps 3..6
+        landed = order.index(("landed", version))
+        assert order.index(("push", version)) < landed < order.index(("generate", version))
+    # evaluations asked for while a push waits run on the pushed version (the fake's accuracy: 0.2 × version)
+    assert rt.of("eval") == [(0, 0.0), (2, pytest.approx(0.4)), (4, pytest.approx(0.8)), (6, pytest.approx(1.0))]
+
+
+def test_one_step_off_can_push_at_once(tmp_path, clock):
+    rt, _ = run(tmp_path, clock, {"type": "one_step_off", "push_between_batches": False})
+    assert not any(d["between"] for _, d in rt.of("push")) and not rt.of("landed")
+    assert [d["staleness"] for _, d in rt.of("train")] == [[0] * 4] + [[1] * 4] * 5
+
+
+def test_fully_async_pushes_land_when_the_stream_call_ends(tmp_path, clock):
+    schedule = {"type": "fully_async", "max_staleness": 1, "buffer_groups": 2}
+    rt, _ = run(tmp_path, clock, schedule)
+    assert all(d["between"] for _, d in rt.of("push")) and len(rt.of("landed")) == 6
+    staleness = [s for _, d in rt.of("train") for s in d["staleness"]]
+    assert max(staleness) <= 1
+    assert rt.weight_version == 6  # the last step's push is settled before the schedule returns

@@ -181,7 +181,7 @@ def test_a_schedule_as_another_type_keeps_what_both_have():
     assert as_schedule(SyncSchedule(num_steps=3), "fully_async") == FullyAsyncSchedule(num_steps=3)
     assert SyncSchedule.live_fields() == ("pause_mode",)
     assert FullyAsyncSchedule.live_fields() == ("update_weights_interval", "max_staleness", "pause_mode",
-                                                "buffer_groups")  # fmt: skip
+                                                "buffer_groups", "push_between_batches")  # fmt: skip
 
 
 def test_a_built_in_models_own_setting_is_refused_on_the_other(tmp_path):

@@ -51,3 +51,49 @@ def test_time_to_target_reads_the_first_wall_time_at_the_accuracy_every_schedule
     table = "\n".join(time_to_target_table([sync, fast]))
     assert "held-out accuracy 0.520" in table  # the lower of the two best accuracies
     assert "| sync | 60.0 | 1.00 |" in table and "| fully_async | 45.0 | 0.75 |" in table
+
+
+def test_a_push_that_waited_for_the_batch_to_end_counts_without_the_wait(tmp_path):
+    """schedule.push_between_batches: the wait is reported apart, and is neither the push's latency nor trainer
+    busy time (the trainer trained meanwhile, or waited for that batch anyway)."""
+    store = Store(f"sqlite:///{tmp_path}/miles.db")
+    job = store.create_job("j", {"schedule": {"type": "fully_async"}, "rollout": {}}, source="cli")
+    phases = {"export": 0.05, "handoff": 0.01, "wait_batch": 0.5, "pause": 0.01, "load": 0.02, "resume": 0.01}
+    store.add_spans(job, [
+        dict(stage="train", step=1, worker="trainer", start=100.0, end=101.0),
+        # published 101.0–101.05, handed over at 101.06, waited to 101.56, landed at 101.6
+        dict(stage="weight_sync", step=1, worker="trainer->rollout-0", start=101.0, end=101.6,
+             attrs={"phases": phases, "waited": [101.06, 101.56]}),
+        dict(stage="train", step=2, worker="trainer", start=101.06, end=102.0),
+    ])  # fmt: skip
+    store.add_step(job, 1, 1, 100.0, 101.06)
+    store.add_step(job, 2, 2, 101.06, 102.0)
+    summary = summarize(store, job)
+    assert summary.weight_sync_s == [pytest.approx(0.1)] and summary.push_waits_s == [pytest.approx(0.5)]
+    assert "wait_batch" not in summary.push_phases_s
+    assert summary.push_phases_s["unaccounted"] == pytest.approx(0.0, abs=1e-9)
+    assert summary.trainer_busy_s == pytest.approx(2.0)  # train 100–101 and 101.06–102, the push's 0.1 s beside
+
+
+def test_the_rollouts_idle_time_between_batches_is_split_by_what_ran_meanwhile():
+    from types import SimpleNamespace
+
+    from miles_control.summary import rollout_gaps
+
+    def span(stage, start, end, **attrs):
+        return SimpleNamespace(stage=stage, start=start, end=end, attrs=attrs)
+
+    spans = [
+        span("rollout", 0.0, 1.0),
+        span("train", 0.5, 1.6),  # the batch after waits 0.6 s for this step (one_step_off)
+        span("weight_sync", 1.6, 1.7),
+        span("train", 1.8, 2.5),  # the next step
+        span("rollout", 1.8, 3.0),  # 0.1 s of round trips before it
+        span("weight_sync", 3.0, 4.0, waited=[3.01, 3.9]),  # waited for the batch to end: not a push at work
+        span("rollout", 3.2, 4.0),
+    ]
+    gaps = rollout_gaps(spans)
+    assert gaps["idle"] == pytest.approx(1.0)  # 0.8 s + 0.2 s
+    assert gaps["training"] == pytest.approx(0.6)
+    assert gaps["pushing"] == pytest.approx(0.1 + 0.01)  # the push's own 0.1 s, and the second's hand-off
+    assert gaps["other"] == pytest.approx(1.0 - 0.6 - 0.11)

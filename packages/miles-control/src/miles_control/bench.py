@@ -96,16 +96,32 @@ def push_breakdown_table(summaries: list[RunSummary]) -> list[str]:
         "",
         "A push's latency is the trainer's export, the hand-off of its handle to the rollout actor, and the engine's "
         "pause (stop new calls and pause the servers with requests in flight), load (with the check of each "
-        "server's weights) and resume. Under `sync` nothing is generating during a push.",
+        "server's weights) and resume. Under `sync` nothing is generating during a push. With "
+        "`schedule.push_between_batches` (the default) a push under the overlapped schedules first waits for the "
+        "batch being generated to end, then loads with nothing in flight; that wait is not part of its latency "
+        "(the trainer trained or waited for that batch anyway, and generation went on) and is shown apart: it is "
+        "how much later the version reached the engines.",
         "",
-        "| schedule | pushes | mean latency | " + " | ".join(title for _, title in shown) + " |",
-        "|---|---|---|" + "---|" * len(shown),
+        "| schedule | pushes | mean latency | median latency | "
+        + " | ".join(title for _, title in shown)
+        + " | waited for the batch to end (not in the latency) |",
+        "|---|---|---|---|" + "---|" * (len(shown) + 1),
     ]
     for s in summaries:
         mean = s.weight_sync_mean_s
         cells = [f"{s.push_phases_s[key] * 1000:.1f}" if key in s.push_phases_s else "" for key, _ in shown]
-        latency = f"{mean * 1000:.1f}" if mean is not None else ""
-        lines.append(f"| {s.schedule} | {len(s.weight_sync_s)} | {latency} | " + " | ".join(cells) + " |")
+        latency = f"{mean * 1000:.1f} | {s.percentile_sync(0.5) * 1000:.1f}" if mean is not None else " | "
+        waited = f"{sum(s.push_waits_s) / len(s.push_waits_s) * 1000:.1f}" if s.push_waits_s else ""
+        lines.append(f"| {s.schedule} | {len(s.weight_sync_s)} | {latency} | " + " | ".join(cells) + f" | {waited} |")
+    base = summaries[0]
+    if base.weight_sync_mean_s and len(summaries) > 1:
+        ratios = [
+            f"{s.schedule} {s.weight_sync_mean_s / base.weight_sync_mean_s:.2f}× "
+            f"({s.percentile_sync(0.5) / base.percentile_sync(0.5):.2f}×)"
+            for s in summaries[1:]
+            if s.weight_sync_mean_s is not None
+        ]
+        lines += ["", f"A push against a {base.schedule} push, mean (median): {', '.join(ratios)}."]
     return lines
 
 
@@ -214,6 +230,19 @@ def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -
                 ]
             )
         )
+    lines += [
+        "",
+        "Where the rollout's idle time between batches went (s; under `fully_async` a batch is one call of the "
+        "stream): while a push ran, while a train step (and no push) ran (under `one_step_off` a batch waits for the "
+        "weights of the step before it, so a train step slower than a batch leaves the engine idle), and the rest "
+        "(round trips, a full buffer).",
+        "",
+        "| schedule | idle between batches | while pushing | while training | other |",
+        "|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        gaps = s.rollout_gaps_s
+        lines.append(row([s.schedule, *(gaps.get(k, 0.0) for k in ("idle", "pushing", "training", "other"))]))
     lines += push_breakdown_table(summaries)
     lines += time_to_target_table(summaries)
     all_steps = [k for k, _ in base.reward_by_step]

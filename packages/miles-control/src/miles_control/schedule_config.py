@@ -74,6 +74,13 @@ class OverlappedSchedule(ScheduleBase):
     """Fields of the schedules where generation overlaps training."""
 
     update_weights_interval: int = Field(1, ge=1, description="(live) Push weights every N train steps.")
+    push_between_batches: bool = Field(
+        True,
+        description="(live) A push waits for the batch being generated to end (one_step_off: the next step's batch; "
+        "fully_async: the stream's call under way) and the next batch starts on the new weights, so the engines load "
+        "with nothing in flight and the trainer goes on meanwhile. False: the push lands at once, and in-flight "
+        "requests follow pause_mode.",
+    )
     async_eval: bool = Field(True, description="Evaluate without blocking training.")
 
     @property
@@ -117,7 +124,13 @@ SCHEDULES: dict[str, type[ScheduleBase]] = {
     "one_step_off": OneStepOffSchedule,
     "fully_async": FullyAsyncSchedule,
 }
-LIVE_SCHEDULE_FIELDS = ("update_weights_interval", "max_staleness", "pause_mode", "buffer_groups")
+LIVE_SCHEDULE_FIELDS = (
+    "update_weights_interval",
+    "max_staleness",
+    "pause_mode",
+    "buffer_groups",
+    "push_between_batches",
+)
 _OTHER_DEFAULTS = {
     name: field.default
     for name, field in FullyAsyncSchedule.model_fields.items()

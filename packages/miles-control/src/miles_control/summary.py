@@ -19,6 +19,7 @@ Definitions:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from miles_control.store import Store
 
@@ -58,6 +59,13 @@ class RunSummary:
     # mean seconds per push in each phase ("export", "handoff", "pause", "load", "resume", ...; "pause/probe_wait"
     # and "load/verify" are parts of their phase) and "unaccounted": the latency the phases do not cover
     push_phases_s: dict[str, float] = field(default_factory=dict)
+    # schedule.push_between_batches: seconds each push waited for the batch under way to end (not part of its cost:
+    # neither the trainer nor the engines stood still for it; the push's version arrived that much later)
+    push_waits_s: list[float] = field(default_factory=list)
+    # the rollout's idle time between one batch (a fully_async call) and the next, in seconds: "idle", of which
+    # "pushing" (a push ran), "training" (a train step and no push ran: under one_step_off the next batch waits for
+    # its weights) and "other" (scheduling, round trips, a full buffer)
+    rollout_gaps_s: dict[str, float] = field(default_factory=dict)
     eval_accuracy: list[tuple[int, float]] = field(default_factory=list)
     reward_by_step: list[tuple[int, float]] = field(default_factory=list)
     reward_by_wall: list[tuple[float, float]] = field(default_factory=list)  # seconds since the first step
@@ -143,6 +151,39 @@ def push_breakdown(pushes: list[tuple[float, dict[str, float]]]) -> dict[str, fl
     return mean
 
 
+def rollout_gaps(spans: list[Any]) -> dict[str, float]:
+    """Where the rollout's idle time between consecutive batches went (see RunSummary.rollout_gaps_s)."""
+    batches = sorted((sp.start, sp.end) for sp in spans if sp.stage == "rollout")
+    trains = [(sp.start, sp.end) for sp in spans if sp.stage == "train"]
+    pushes = [part for sp in spans if sp.stage == "weight_sync" for part in _busy_parts(sp)]
+    idle = pushing = busy = 0.0
+    for (_, end), (start, _) in zip(batches, batches[1:], strict=False):
+        if start <= end:
+            continue
+        idle += start - end
+        pushing += union_seconds(pushes, end, start)  # first: the next train step may start beside a push
+        busy += union_seconds(trains + pushes, end, start)
+    return {"idle": idle, "pushing": pushing, "training": busy - pushing, "other": idle - busy} if batches else {}
+
+
+def _phases(span: Any) -> dict[str, float]:
+    return (span.attrs or {}).get("phases") or {}
+
+
+def _waited_s(span: Any) -> float:
+    """How long a push waited for the batch under way to end (`schedule.push_between_batches`), else 0."""
+    waited = (span.attrs or {}).get("waited")
+    return waited[1] - waited[0] if waited else 0.0
+
+
+def _busy_parts(span: Any) -> list[tuple[float, float]]:
+    """A span's busy intervals: a push that waited for a batch to end was busy before and after the wait only."""
+    waited = (span.attrs or {}).get("waited") if span.stage == "weight_sync" else None
+    if not waited:
+        return [(span.start, span.end)]
+    return [(span.start, waited[0]), (waited[1], span.end)]
+
+
 def summarize(store: Store, job_id: int) -> RunSummary:
     """The summary of job `job_id` as the store holds it now (a running job: the steps so far)."""
     job = store.job(job_id)
@@ -181,10 +222,19 @@ def summarize(store: Store, job_id: int) -> RunSummary:
             )
         )
     summary.rollout_busy_s = union_seconds([(s.start, s.end) for s in spans if s.stage in ROLLOUT_STAGES], lo, hi)
-    summary.trainer_busy_s = union_seconds([(s.start, s.end) for s in spans if s.stage in TRAINER_STAGES], lo, hi)
+    summary.trainer_busy_s = union_seconds(
+        [part for s in spans if s.stage in TRAINER_STAGES for part in _busy_parts(s)], lo, hi
+    )
+    summary.rollout_gaps_s = rollout_gaps(spans)
     pushes = [sp for sp in spans if sp.stage == "weight_sync"]
-    summary.weight_sync_s = [sp.end - sp.start for sp in pushes]
-    summary.push_phases_s = push_breakdown([(sp.end - sp.start, (sp.attrs or {}).get("phases") or {}) for sp in pushes])
+    summary.push_waits_s = [_waited_s(sp) for sp in pushes]
+    summary.weight_sync_s = [sp.end - sp.start - _waited_s(sp) for sp in pushes]
+    summary.push_phases_s = push_breakdown(
+        [
+            (sp.end - sp.start - _waited_s(sp), {k: v for k, v in _phases(sp).items() if k != "wait_batch"})
+            for sp in pushes
+        ]
+    )
     summary.reward_by_step = store.metric_series(job_id, "rollout/reward_mean")
     step_end = {st.step: st.ended_at - lo for st in steps}
     summary.reward_by_wall = [(step_end[k], v) for k, v in summary.reward_by_step if k in step_end]

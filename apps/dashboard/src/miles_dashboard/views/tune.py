@@ -7,7 +7,7 @@ from miles_control.client import ApiError
 from miles_dashboard.charts import metric_grid, metrics_frame
 from miles_dashboard.common import ACTIVE, RETRY_S, api, choose_job, rows, status_text
 
-LIVE = ("update_weights_interval", "max_staleness", "pause_mode", "buffer_groups")
+LIVE = ("update_weights_interval", "max_staleness", "pause_mode", "buffer_groups", "push_between_batches")
 # fields a schedule type takes but that change nothing there, with the reason shown beside them
 INERT = {("sync", "pause_mode"): "a sync job generates nothing while weights are pushed: no request is ever paused"}
 
@@ -60,6 +60,12 @@ else:
             )
             if buffer:
                 wanted["buffer_groups"] = buffer
+        if "push_between_batches" in live:
+            wanted["push_between_batches"] = a.checkbox(
+                "push_between_batches",
+                value=bool(current["push_between_batches"]),
+                help="A push waits for the batch being generated to end and loads with nothing in flight.",
+            )
         for field, why in inert.items():
             st.caption(f"`{field}` is disabled: {why}.")
         reviewed = st.form_submit_button("Review change")

@@ -54,3 +54,4 @@ class SchedulePatch(_In):
     max_staleness: int | None = Field(None, ge=0, le=1_000_000)
     pause_mode: PauseMode | None = None
     buffer_groups: int | None = Field(None, ge=1, le=1_000_000)
+    push_between_batches: bool | None = None

@@ -40,6 +40,8 @@ class Received(Timed):
     check_failure: str | None = None  # sync.check_after_resume: why the engine's check failed
     rolled_back_to: int | None = None  # ... and the version the engine went back to
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the push (summary.push_breakdown)
+    # schedule.push_between_batches: when the push waited for the batch being generated to end (start, end)
+    waited: tuple[float, float] | None = None
 
 
 @dataclass

@@ -24,6 +24,20 @@ from miles_control.runtime.workers import (
 from miles_sync import needs_receiver_ranks
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Push:
+    """A push whose receive runs on the rollout actor (`ref`), published by the trainer as `published`."""
+
+    step: int
+    version: int
+    published: Any  # runtime.answers.Published
+    ref: Any  # ray.ObjectRef of RolloutWorker.receive_weights
+    pause_mode: str
+    check_after_resume: bool
+
+
 ROLLOUT_STATE = "rollout.json"  # in a checkpoint folder: how many prompts the steps up to it drew
 
 # Quiet, offline workers: nothing may be fetched from a hub at run time.
@@ -103,6 +117,15 @@ class JobRuntime:
         self.run_dir = run_dir
         self.weight_version = 0
         self._warned_update_lost = False
+        self._pending_push: _Push | None = None  # push_weights(between_batches=True): not settled yet
+        if spec.rollout.partial_rollouts and getattr(spec.schedule, "push_between_batches", False):
+            message = (
+                "rollout.partial_rollouts continues requests a push aborts, but schedule.push_between_batches makes "
+                "pushes land between batches, with none of a batch's requests in flight: set "
+                "schedule.push_between_batches=false (and pause_mode=abort) to push into running requests"
+            )
+            log.warning(message)
+            recorder.event("warning", message)
         self.cpu_split = split_cpus() if spec.ray.cpu_split else {"trainer": None, "rollout": None}
         if spec.ray.cpu_split:
             recorder.event(
@@ -117,8 +140,9 @@ class JobRuntime:
         def start_rollout(trainer_group: Any = None, engine_gpus: list[list[str]] | None = None) -> Any:
             return (
                 ray.remote(RolloutWorker)
-                # Threads: a weight push, an evaluation and a take() may run while generation goes on.
-                .options(**rollout_options(self.plan, trainer_group), max_concurrency=4)
+                # Threads: a weight push, an evaluation, a take() and the next batch (waiting for this one) may run
+                # while generation goes on.
+                .options(**rollout_options(self.plan, trainer_group), max_concurrency=8)
                 .remote(
                     spec.model_dump(mode="json"),
                     str(model_path),
@@ -168,8 +192,14 @@ class JobRuntime:
         return self.collect(step, self.generate_async())
 
     def generate_async(self):
-        """Start generating one step's batch; `collect` it later (one_step_off overlaps it with training)."""
-        return self.rollout.generate.remote()
+        """Start generating one step's batch; `collect` it later (one_step_off overlaps it with training). It runs
+        on the weights of the last push: the rollout actor starts it once they are loaded (a push between batches
+        lands when the batch under way ends)."""
+        return self.rollout.generate.remote(self._last_pushed_version())
+
+    def _last_pushed_version(self) -> int:
+        """The version of the last push if it has not landed yet (for the rollout actor to wait for), else 0."""
+        return self._pending_push.version if self._pending_push is not None else 0
 
     def collect(self, step: int, ref):
         import ray
@@ -219,7 +249,9 @@ class JobRuntime:
         ray.get(self.rollout.stop_stream.remote())
 
     def evaluate_async(self):
-        return self.rollout.evaluate.remote()
+        """Start an evaluation; it runs on the weights of the last push, once they are loaded (a push between
+        batches may still wait for the batch under way)."""
+        return self.rollout.evaluate.remote(self._last_pushed_version())
 
     def eval_result(self, ref: Any, wait: bool) -> Evaluated | None:
         """The result of `evaluate_async`'s `ref` once it is ready (waiting for it when `wait`), else None."""
@@ -266,23 +298,59 @@ class JobRuntime:
         log.warning(message)
         self.recorder.event("warning", message, step=step, update_kept_frac=kept)
 
-    def push_weights(self, step: int, version: int | None = None, pause_mode: str = "in_place") -> dict[str, float]:
+    def push_weights(
+        self, step: int, version: int | None = None, pause_mode: str = "in_place", between_batches: bool = False
+    ) -> dict[str, float]:
         """Trainer → engines: export, publish, pause → load → version++ → resume; then check equality.
 
-        `version` is the trainer's version (its number of train steps); the next push number by default.
+        `version` is the trainer's version (its number of train steps); the next push number by default. With
+        `between_batches` (`schedule.push_between_batches`) the rollout actor applies the push once the batch it is
+        generating ends, and this returns as soon as the trainer has published: `settle_push` waits for the engines,
+        checks and records it (the next push and the end of a schedule settle it too); the returned metrics are
+        then empty and recorded at `step` when settled.
         """
-        import ray
 
+        self.settle_push()  # one push in flight at most: a version is published once the last one landed
+        if between_batches and needs_receiver_ranks(self.spec.sync):
+            # a collective transport (broadcast, p2p) sends with every trainer rank taking part, inside a timeout:
+            # it cannot wait for a batch to end while the trainer goes on, so it lands at once (pause_mode)
+            between_batches = False
         version = self.weight_version + 1 if version is None else version
         published = self.trainer.publish_weights(version)
-        handle, start = published.handle, published.start
-        assert handle is not None  # rank 0 publishes
+        assert published.handle is not None  # rank 0 publishes
         after = self.spec.sync.check_after_resume
-        received: Received = ray.get(self.rollout.receive_weights.remote(handle, pause_mode, after))
+        ref = self.rollout.receive_weights.remote(published.handle, pause_mode, after, between_batches)
+        push = _Push(step, version, published, ref, pause_mode, after)
+        if not between_batches:
+            return self._finish_push(push)
+        # a transport copying in the background (tensor, pipelined) reads the live weights until its wait() returns;
+        # training goes on after this
         self.trainer.wait_published()
+        self._pending_push = push
+        return {}
+
+    def settle_push(self, record: bool = True) -> dict[str, float]:
+        """Wait for the push `push_weights(between_batches=True)` left in flight (if any) and check it; returns its
+        metrics, recorded at its step unless `record` is False (the caller records them)."""
+        push, self._pending_push = self._pending_push, None
+        if push is None:
+            return {}
+        metrics = self._finish_push(push)
+        if record:
+            self.recorder.metrics(push.step, metrics)
+        return metrics
+
+    def _finish_push(self, push: _Push) -> dict[str, float]:
+        import ray
+
+        received: Received = ray.get(push.ref)
+        self.trainer.wait_published()
+        handle, published, step, version = push.published.handle, push.published, push.step, push.version
+        assert handle is not None
         self.weight_version = received.weight_version
-        engine_fp, end = received.fingerprint, received.end
+        engine_fp, end, start = received.fingerprint, received.end, published.start
         match = engine_fp == handle.fingerprint and received.check_failure is None
+        waited = received.waited
         self.recorder.span(
             "weight_sync",
             step,
@@ -298,10 +366,13 @@ class JobRuntime:
             num_buckets=handle.num_buckets,
             sharded_tensors=len(handle.pieces or {}),  # sent as row shards by several trainer ranks (p2p)
             base_version=handle.base_version,
-            pause_mode=pause_mode,
+            pause_mode=push.pause_mode,
             pause_s=received.paused_s,  # generation stood still: the load, the check unless after, a roll-back
-            check_after_resume=after,
+            check_after_resume=push.check_after_resume,
             rolled_back_to=received.rolled_back_to,
+            # push_between_batches: when the handle waited for the batch under way to end (nothing stood still for
+            # it: the trainer trained or waited for that batch anyway); summary.py leaves it out of the push's cost
+            waited=list(waited) if waited is not None else None,
             # where the push's time went: the trainer's export, the hand-off to the rollout actor, then the engine's
             # phases (pause, load, resume, ...); summary.push_breakdown averages them
             phases={"export": published.end - start, "handoff": received.start - published.end, **received.phases},
@@ -316,8 +387,10 @@ class JobRuntime:
                 f"step {step}: engine weights differ from the trainer's after the push of version "
                 f"{version} (trainer {handle.fingerprint}, engine {engine_fp})"
             )
+        waited_s = waited[1] - waited[0] if waited is not None else 0.0
         return {
-            "sync/latency_s": end - start,
+            "sync/latency_s": end - start - waited_s,
+            "sync/wait_batch_s": waited_s,
             "sync/pause_s": received.paused_s,
             "sync/bytes": float(handle.num_bytes),
             "sync/tensors": float(handle.num_tensors),

@@ -7,7 +7,8 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,11 @@ class RolloutWorker:
         self._counts: dict[str, float] = {}  # fully_async: generate_step's counts since the last take
         self._counts_lock = threading.Lock()
         self._fresh_drawn = 0  # prompts taken from the stream (regenerated ones once), for prompts_drawn
+        # schedule.push_between_batches: a push waits for the batch being generated to end, and the next batch waits
+        # for the push (a batch: generate()'s step, or one call of fully_async's stream)
+        self._gate = threading.Condition()
+        self._batches_running = 0
+        self._pushes_waiting = 0
 
     def receiver_ranks(self) -> int:
         """Ranks the engine brings to a collective weight push."""
@@ -122,9 +128,53 @@ class RolloutWorker:
         self._fresh_drawn += len(fresh)  # a regenerated prompt was counted when first drawn
         return prompts + fresh
 
-    def generate(self):
-        """One step's batch (`rollout.dynamic_sampling`: its informative groups); `batch.metrics` has what it took."""
-        batch, _ = asyncio.run(self.manager.generate_step(self._draw, self.config.num_prompts_per_step))
+    @contextmanager
+    def _batch(self, min_version: int = 0, timeout_s: float = 1800.0) -> Iterator[None]:
+        """Generating one batch: starts once the batch before it ended, no push waits for the batches to end and the
+        engine holds weight version `min_version` or newer (one_step_off asks for a step's batch a step ahead, before
+        the push it needs has landed)."""
+        with self._gate:
+            ready = self._gate.wait_for(
+                lambda: (
+                    self._batches_running == 0
+                    and self._pushes_waiting == 0
+                    and self.engine.weight_version >= min_version
+                ),
+                timeout=timeout_s,
+            )
+            if not ready:
+                raise TimeoutError(
+                    f"generate: the engine still holds weight version {self.engine.weight_version} after "
+                    f"{timeout_s:.0f} s, not {min_version} (did the push fail?)"
+                )
+            self._batches_running += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._batches_running -= 1
+                self._gate.notify_all()
+
+    @contextmanager
+    def _between_batches(self) -> Iterator[tuple[float, float]]:
+        """Wait for the batch under way to end and hold the next one back until the block ends; yields when the
+        wait began and ended."""
+        began = time.time()
+        with self._gate:
+            self._pushes_waiting += 1
+            self._gate.wait_for(lambda: self._batches_running == 0)
+        try:
+            yield began, time.time()
+        finally:
+            with self._gate:
+                self._pushes_waiting -= 1
+                self._gate.notify_all()
+
+    def generate(self, min_version: int = 0):
+        """One step's batch (`rollout.dynamic_sampling`: its informative groups); `batch.metrics` has what it took.
+        It starts once the engine holds weight version `min_version` (a push between batches may not have landed)."""
+        with self._batch(min_version):
+            batch, _ = asyncio.run(self.manager.generate_step(self._draw, self.config.num_prompts_per_step))
         return batch
 
     def _stream_drawn(self) -> float:
@@ -153,7 +203,8 @@ class RolloutWorker:
         assert self.buffer is not None
         try:
             while self._running.is_set():
-                batch, prompts = asyncio.run(self.manager.generate_step(self._draw, chunk_prompts))
+                with self._batch():
+                    batch, prompts = asyncio.run(self.manager.generate_step(self._draw, chunk_prompts))
                 batch.metrics["rollout/prompts_drawn"] = self._stream_drawn()  # regenerated prompts not again
                 self._timings += batch.timings
                 self._sampling = batch.sampling
@@ -225,19 +276,41 @@ class RolloutWorker:
             self._thread.join(timeout=120)
             self._thread = None
 
-    def evaluate(self) -> Evaluated:
-        """Held-out accuracy on the eval prompts, at `rollout.eval.temperature`."""
+    def evaluate(self, min_version: int = 0, timeout_s: float = 1800.0) -> Evaluated:
+        """Held-out accuracy on the eval prompts, at `rollout.eval.temperature`, once the engine holds weight version
+        `min_version` or newer (a push between batches may land after the evaluation was asked for)."""
+        with self._gate:
+            if not self._gate.wait_for(lambda: self.engine.weight_version >= min_version, timeout=timeout_s):
+                raise TimeoutError(
+                    f"evaluate: the engine still holds weight version {self.engine.weight_version} after "
+                    f"{timeout_s:.0f} s, not {min_version} (did the push fail?)"
+                )
         start = time.time()
         metrics = asyncio.run(self.manager.evaluate(self.eval_prompts, self.config.eval.temperature))
         return Evaluated(start, time.time(), metrics)
 
     def receive_weights(
-        self, handle: WeightHandle, pause_mode: str = "in_place", check_after_resume: bool = False
+        self,
+        handle: WeightHandle,
+        pause_mode: str = "in_place",
+        check_after_resume: bool = False,
+        between_batches: bool = False,
     ) -> Received:
         """pause → load (bucketed) → take the new version → resume. Returns the engine's fingerprint. With
         `check_after_resume` the engine's check (its fingerprint against the trainer's; SGLang: every server's
         checksums too) runs once generation has resumed, and a failed one rolls the engine back to the version it
-        held before (paused again for that)."""
+        held before (paused again for that). With `between_batches` the push first waits for the batch under way
+        to end, and the next batch starts after it: nothing of a batch is in flight while the engine loads."""
+        if not between_batches:
+            return self._receive(handle, pause_mode, check_after_resume)
+        with self._between_batches() as waited:
+            received = self._receive(handle, pause_mode, check_after_resume)
+        received.start = waited[0]
+        received.waited = waited
+        received.phases["wait_batch"] = waited[1] - waited[0]
+        return received
+
+    def _receive(self, handle: WeightHandle, pause_mode: str, check_after_resume: bool) -> Received:
         start = time.time()
         phases: dict[str, float] = {}
         inside = self.engine.push_phases if isinstance(self.engine, TimesPushPhases) else None

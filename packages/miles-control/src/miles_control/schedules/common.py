@@ -55,9 +55,15 @@ def finish_step(
     metrics: dict[str, float],
     on_step: StepCallback,
 ) -> None:
-    """After a train step of an asynchronous schedule: push if due, evaluate beside training, record."""
+    """After a train step of an asynchronous schedule: push if due, evaluate beside training, record.
+
+    With `push_between_batches` the push lands once the batch being generated ends (settled later: by the next
+    push, by one_step_off before it starts the next batch, or here at the last step); an evaluation started
+    meanwhile waits on the rollout actor for the pushed version."""
     if version % cfg.update_weights_interval == 0 or last:
-        metrics |= rt.push_weights(step, version, cfg.pause_mode)
+        metrics |= rt.push_weights(step, version, cfg.pause_mode, cfg.push_between_batches)
+        if last:
+            metrics |= rt.settle_push(record=False)
     if (eval_every and step % eval_every == 0) or last:
         evals.start(step)
     evaluated = evals.poll(wait=last or not cfg.async_eval)  # recorded at the step it started

@@ -4,8 +4,10 @@ The rollout actor keeps `buffer_groups` finished groups ready (a group: all samp
 tagged with every weight version its samples spanned). Each step the trainer takes
 `num_prompts_per_step` groups whose staleness (trainer version − oldest version) is at most
 `max_staleness`; older ones are dropped or regenerated (`stale_policy`) and counted. Weights are
-pushed every `update_weights_interval` steps while generation goes on: in-flight requests follow
-`pause_mode`. Evaluation runs beside training.
+pushed every `update_weights_interval` steps while generation goes on: with `push_between_batches` (the
+default) a push waits for the stream's call under way to end (half a step's prompts) while the trainer
+goes on, and the next call runs on the new weights; without it the push lands at once and in-flight
+requests follow `pause_mode`. Evaluation runs beside training.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def run_fully_async(
             finish_step(rt, evals, cfg, step, version, last, eval_every, step_start, metrics, on_step)
             if should_stop(schedule, {**evals.latest, **metrics}, started):
                 break
+        rt.settle_push()  # stopped early: the push of the last step done
         evals.poll(wait=True)
     finally:
         rt.stop_stream()

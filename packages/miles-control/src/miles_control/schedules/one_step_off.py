@@ -1,9 +1,11 @@
 """`one_step_off`: the batch of step k+1 is generated while step k trains.
 
 Step k trains on data generated under the weights of step k−1 or older (staleness ≤ interval).
-Weights are pushed every `update_weights_interval` steps; a push that lands while the next batch is
-being generated handles its in-flight requests by `pause_mode`, and those samples record every
-version they span.
+Weights are pushed every `update_weights_interval` steps. With `push_between_batches` (the default) a
+push waits for the batch being generated to end and the batch after it runs on the new weights: the
+engines load with nothing in flight, and every batch is generated under one version. Without it a push
+lands while the next batch is being generated, its in-flight requests follow `pause_mode`, and those
+samples record every version they span.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def run_one_step_off(
         evals.poll(wait=True)  # the starting point, before any training
     version = first_step - 1  # the trainer's version: train steps done
     pending = rt.generate_async()
+    ahead = None  # the batch of the step after next, asked for once this step's push was made
     step = first_step - 1
     for step in range(first_step, schedule.num_steps + 1):
         live.apply_pending(step)
@@ -35,8 +38,9 @@ def run_one_step_off(
         step_start = time.time()
         batch, metrics = rt.collect(step, pending)
         last = step == schedule.num_steps
-        if not last:
-            pending = rt.generate_async()  # the next batch, generated while this one trains
+        # the next step's batch, generated while this one trains (asked for a step ahead unless this is the first)
+        pending = ahead if ahead is not None or last else rt.generate_async()
+        ahead = None
         staleness = [s.staleness(version) for s in batch.samples]
         metrics |= rt.train(step, batch, staleness)
         metrics |= staleness_metrics(staleness)
@@ -44,5 +48,10 @@ def run_one_step_off(
         finish_step(rt, evals, cfg, step, version, last, eval_every, step_start, metrics, on_step)
         if should_stop(schedule, {**evals.latest, **metrics}, started):
             break
+        if step + 2 <= schedule.num_steps:
+            # The batch of step + 2, asked for now: the rollout actor starts it when the batch of step + 1 ends and
+            # the push just made has landed (between those batches, or already), with no round trip in between.
+            ahead = rt.generate_async()
+    rt.settle_push()  # stopped early: the push of the last step done
     evals.poll(wait=True)
     return step

@@ -41,9 +41,9 @@ class PauseControl:
         running (its health probe), and its prefix cache can be flushed."""
         busy = [s for s in self.slots if s.outstanding > 0 and (s.server is None or s.server.alive())]
         began = time.monotonic()
-        # A probe still queued in a paused server keeps SGLang from flushing the cache after the load; an in_place
-        # pause does not flush then (its requests keep their cache: see cache_flush_flag), so it need not wait.
-        self.router.hold(wait_for_probe=bool(busy) and mode != "in_place")
+        # A probe still queued in a paused server keeps SGLang from flushing the cache after the load; only an abort
+        # flushes then (in_place and retract keep their requests, and flush once idle: see cache_flush_flag).
+        self.router.hold(wait_for_probe=bool(busy) and mode == "abort")
         self.probe_wait_s = time.monotonic() - began
         self.mode = mode
         for slot in busy:
@@ -68,11 +68,12 @@ class PauseControl:
         """The `flush_cache` field of a weight-load call, and the slot marked when its flush must wait.
 
         The last bucket flushes the prefix cache: entries computed under the old weights must not be reused.
-        Under an in_place pause with requests in flight SGLang cannot flush (they keep their KV cache and
-        continue on the new weights); the slot is then marked `stale_cache` and flushed as soon as it is idle
-        (see `dispatch.py`)."""
+        Under an in_place or retract pause with requests in flight SGLang cannot flush (in_place requests keep
+        their KV cache and continue on the new weights; retracted ones wait in its queue, and SGLang refuses to
+        flush while any is queued); the slot is then marked `stale_cache` and flushed as soon as it is idle (see
+        `dispatch.py`). An abort leaves nothing in flight, and flushes."""
         if not last:
             return {"flush_cache": False}
-        flush = not (slot.paused and self.mode == "in_place")
+        flush = not (slot.paused and self.mode != "abort")
         slot.stale_cache = not flush
         return {"flush_cache": flush}
