@@ -119,14 +119,15 @@ def check_exports(tmp_path: Path, url: str, model: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_a_lora_job_pushes_the_adapter_to_the_hf_engine_and_exports_it(tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp2", "torchtitan"])
+def test_a_lora_job_pushes_the_adapter_to_the_hf_engine_and_exports_it(tmp_path, backend):
     from transformers import AutoModelForCausalLM
 
     from miles_control.store import Store
 
     _, url = run_job(
         tmp_path, "rollout.engine.type=hf", "train.lora={rank: 8, alpha: 16}", "schedule.type=one_step_off",
-        "schedule.num_steps=3", "schedule.save_final=true",
+        "schedule.num_steps=3", "schedule.save_final=true", f"train.backend.type={backend}",
     )  # fmt: skip
     store = Store(url)
     job = store.job(1)

@@ -1,8 +1,8 @@
 """One trainer rank of the LoRA tests, run as its own process (torch.distributed needs one).
 
-usage: python lora_rank.py MODEL_DIR RANK WORLD_SIZE PORT OUT_FILE CKPT_DIR PORT2
+usage: python lora_rank.py MODEL_DIR RANK WORLD_SIZE PORT OUT_FILE CKPT_DIR PORT2 BACKEND
 
-An fsdp2 trainer with `train.lora` (rank 4 on q_proj and v_proj, KL to the base): two steps, a save, a third step,
+A trainer of BACKEND (fsdp2 or torchtitan) with `train.lora` (rank 4 on q_proj and v_proj, KL to the base): two steps, a save, a third step,
 then a fresh trainer loads the checkpoint and takes the third step again. Rank 0 records the merged export before
 and after, the adapter after each step, the optimizer's state and both third steps.
 """
@@ -25,13 +25,13 @@ def exported(backend, mode: str) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    model_dir, rank, world_size, port, out, ckpt, port2 = sys.argv[1:8]
+    model_dir, rank, world_size, port, out, ckpt, port2, backend_type = sys.argv[1:9]
     rank, world_size = int(rank), int(world_size)
     torch.set_num_threads(1)
     torch.manual_seed(rank)  # ranks seeded apart, as jobs do: the adapter's start must not depend on it
     config = TrainConfig.model_validate(
         {
-            "backend": {"type": "fsdp2", "world_size": world_size},
+            "backend": {"type": backend_type, "world_size": world_size},
             "lora": LORA,
             "optimizer": {"lr": 1e-2, "max_grad_norm": 1.0},
             "algorithm": {"kl_coef": 0.1, "old_logprobs": "recompute"},

@@ -1,6 +1,6 @@
-"""LoRA on the fsdp2 backend (train.lora, through PEFT): the base stays frozen, the optimizer holds the adapter
-alone, a push sends the adapter under PEFT's names or the merged weights, the merge is PEFT's own, ranks agree,
-and a checkpoint (the adapter in PEFT's layout) resumes to the same next step."""
+"""LoRA on the fsdp2 and torchtitan backends (train.lora, through PEFT): the base stays frozen, the optimizer holds
+the adapter alone, a push sends the adapter under PEFT's names or the merged weights, the merge is PEFT's own, ranks
+and backends agree, and a checkpoint (the adapter in PEFT's layout) resumes to the same next step."""
 
 import subprocess
 import sys
@@ -16,8 +16,8 @@ RANK_SCRIPT = Path(__file__).with_name("lora_rank.py")
 TARGETS = ("q_proj", "v_proj")
 
 
-def run_ranks(model_dir, world_size: int, tmp_path) -> dict:
-    out, ckpt = tmp_path / f"lora-ws{world_size}.pt", tmp_path / f"ckpt-ws{world_size}"
+def run_ranks(model_dir, world_size: int, tmp_path, backend: str = "fsdp2") -> dict:
+    out, ckpt = tmp_path / f"lora-{backend}-ws{world_size}.pt", tmp_path / f"ckpt-{backend}-ws{world_size}"
     ports = [str(free_port()), str(free_port())]
     procs = [
         subprocess.Popen(
@@ -31,6 +31,7 @@ def run_ranks(model_dir, world_size: int, tmp_path) -> dict:
                 str(out),
                 str(ckpt),
                 ports[1],
+                backend,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -44,10 +45,14 @@ def run_ranks(model_dir, world_size: int, tmp_path) -> dict:
     return {**torch.load(out, weights_only=False), "ckpt": ckpt}
 
 
+RUNS = [("fsdp2", 1), ("fsdp2", 2), ("torchtitan", 2)]
+ONE_OF_EACH = [("fsdp2", 1), ("torchtitan", 2)]
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
-    return {n: run_ranks(tiny_model_dir, n, tmp) for n in (1, 2)}
+    return {(backend, n): run_ranks(tiny_model_dir, n, tmp, backend) for backend, n in RUNS}
 
 
 def checkpoint_weights(model_dir) -> dict[str, torch.Tensor]:
@@ -56,8 +61,9 @@ def checkpoint_weights(model_dir) -> dict[str, torch.Tensor]:
     return load_file(str(Path(model_dir) / "model.safetensors"))
 
 
-def test_only_the_adapter_trains_and_its_push_is_the_adapter_alone(runs, tiny_model_dir):
-    run = runs[1]
+@pytest.mark.parametrize("which", ONE_OF_EACH, ids=lambda w: f"{w[0]}-x{w[1]}")
+def test_only_the_adapter_trains_and_its_push_is_the_adapter_alone(runs, tiny_model_dir, which):
+    run = runs[which]
     base = checkpoint_weights(tiny_model_dir)
     assert set(run["merged_before"]) == set(base)
     for name, tensor in run["merged_before"].items():  # B starts at zero: the merged model is the base
@@ -74,13 +80,14 @@ def test_only_the_adapter_trains_and_its_push_is_the_adapter_alone(runs, tiny_mo
     assert all(m["train/kl"] >= 0 for m in run["metrics"]) and run["metrics"][1]["train/kl"] > 0  # KL to the base
 
 
-def test_the_merged_push_is_peft_merge_of_the_saved_adapter(runs, tiny_model_dir):
+@pytest.mark.parametrize("which", ONE_OF_EACH, ids=lambda w: f"{w[0]}-x{w[1]}")
+def test_the_merged_push_is_peft_merge_of_the_saved_adapter(runs, tiny_model_dir, which):
     """The checkpoint's adapter/ is PEFT's layout: PeftModel loads it, and its merge_and_unload equals the
     merged weights a push sends."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run = runs[1]
+    run = runs[which]
     folder = run["ckpt"] / "adapter"
     assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(folder))
@@ -89,16 +96,21 @@ def test_the_merged_push_is_peft_merge_of_the_saved_adapter(runs, tiny_model_dir
         torch.testing.assert_close(tensor, peft_merged[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_two_ranks_train_the_adapter_one_rank_does(runs):
-    for name, tensor in runs[1]["adapter_before"].items():  # the same start on every rank, whatever the seed
-        assert torch.equal(tensor, runs[2]["adapter_before"][name]), name
-    for name, tensor in runs[1]["adapter_saved"].items():
-        torch.testing.assert_close(runs[2]["adapter_saved"][name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+@pytest.mark.parametrize("other", [("fsdp2", 2), ("torchtitan", 2)], ids=["fsdp2-x2", "torchtitan-x2"])
+def test_two_ranks_and_torchtitan_train_the_adapter_one_fsdp2_rank_does(runs, other):
+    """The same start on every rank and in both backends (whatever the seed), and the same adapter after two
+    steps: torchtitan's modules take PEFT's layers under the HF projections' names."""
+    one = runs[("fsdp2", 1)]
+    assert set(one["adapter_before"]) == set(runs[other]["adapter_before"])
+    for name, tensor in one["adapter_before"].items():
+        assert torch.equal(tensor, runs[other]["adapter_before"][name]), name
+    for name, tensor in one["adapter_saved"].items():
+        torch.testing.assert_close(runs[other]["adapter_saved"][name], tensor, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_a_checkpoint_resumes_to_the_same_next_step(runs, world_size):
-    run = runs[world_size]
+@pytest.mark.parametrize("which", RUNS, ids=lambda w: f"{w[0]}-x{w[1]}")
+def test_a_checkpoint_resumes_to_the_same_next_step(runs, which):
+    run = runs[which]
     assert run["step_loaded"] == 2
     for name, tensor in run["adapter_saved"].items():
         assert torch.equal(run["adapter_loaded"][name], tensor), name
@@ -113,7 +125,7 @@ def test_a_checkpoint_and_a_job_that_disagree_on_the_adapter_are_refused(runs, t
 
     from miles_train import build_backend
 
-    ckpt = runs[1]["ckpt"]
+    ckpt = runs[("fsdp2", 1)]["ckpt"]
     plain = build_backend(TrainConfig(), tiny_model_dir, 0, 1, f"tcp://127.0.0.1:{free_port()}")
     try:
         with pytest.raises(ValueError, match=r"train.lora: checkpoint .* holds a LoRA adapter"):
@@ -141,7 +153,10 @@ def test_a_checkpoint_and_a_job_that_disagree_on_the_adapter_are_refused(runs, t
     ("train", "message"),
     [
         ({"backend": "megatron", "lora": {}}, r"train.lora: backend megatron cannot train an adapter \(megatron-core"),
-        ({"backend": "torchtitan", "lora": {}}, r"train.lora: backend torchtitan cannot train an adapter"),
+        (
+            {"backend": {"type": "torchtitan", "world_size": 2, "tensor_parallel_size": 2}, "lora": {}},
+            r"train.lora with train.backend.tensor_parallel_size 2: torchtitan",
+        ),
         ({"lora": {}, "quantization": "int4"}, r"train.lora with train.quantization: int4"),
         ({"lora": {"rank": 0}}, r"rank"),
         ({"lora": {"target_modules": []}}, r"target_modules"),
@@ -160,3 +175,16 @@ def test_target_modules_the_model_lacks_are_refused_naming_the_field(tiny_model_
         ValueError, match=r"train.lora.target_modules \['query_key_value'\]: .*linear modules: .*q_proj"
     ):
         build_backend(config, tiny_model_dir, 0, 1, f"tcp://127.0.0.1:{free_port()}")
+
+
+def test_torchtitan_refuses_a_projection_its_model_lacks_naming_the_field():
+    from miles_train.backends.torchtitan.convert import lora_hf_module, lora_peft_kwargs
+
+    config = TrainConfig.model_validate({"lora": {"target_modules": ["q_proj", "query_key_value"]}})
+    with pytest.raises(ValueError, match=r"target_modules \['query_key_value'\]: torchtitan's model has no such"):
+        lora_peft_kwargs(config.lora.peft_kwargs())
+    assert lora_peft_kwargs({"target_modules": ["up_proj", "down_proj"]})["target_modules"] == [
+        "feed_forward.w3",
+        "feed_forward.w2",
+    ]
+    assert lora_hf_module("layers.3.attention.qkv_linear.wk") == "model.layers.3.self_attn.k_proj"

@@ -316,7 +316,8 @@ class TrainConfig(_Strict):
     lora: LoraConfig | None = Field(
         None,
         description="Train a LoRA adapter (PEFT) instead of every weight: `{rank, alpha, dropout, target_modules}`, "
-        "or `{}` for the defaults. Backend fsdp2; megatron and torchtitan refuse it. sync.lora says whether a push "
+        "or `{}` for the defaults. Backends fsdp2 and torchtitan (tensor_parallel_size 1); megatron refuses it. "
+        "sync.lora says whether a push "
         "sends the adapter or the merged weights. None: full fine-tuning.",
     )
     policy_weights: Literal["auto", "master", "pushed"] = Field(
@@ -378,14 +379,19 @@ class TrainConfig(_Strict):
                 "train.precision: fp16 is not offered by torchtitan's mixed-precision settings (bfloat16 | float32); "
                 "use precision bf16, or backend fsdp2 or megatron for fp16"
             )
-        if self.lora is not None and kind != "fsdp2":
-            why = {
-                "megatron": "megatron-core 0.19 has no LoRA for its GPTModel layers, and PEFT wraps transformers "
-                "modules, not megatron's fused linear_qkv / linear_fc1",
-                "torchtitan": "torchtitan 0.3 models are not transformers modules, which PEFT wraps, and the adapter "
-                "layout of its own LoRA converter is not yet mapped to PEFT's",
-            }[kind]
-            raise ValueError(f"train.lora: backend {kind} cannot train an adapter ({why}); use backend fsdp2")
+        if self.lora is not None and kind == "megatron":
+            raise ValueError(
+                "train.lora: backend megatron cannot train an adapter (megatron-core 0.19 has no LoRA for its "
+                "GPTModel layers, and PEFT wraps torch linears, not megatron's fused linear_qkv / linear_fc1); use "
+                "backend fsdp2 or torchtitan"
+            )
+        tp = getattr(self.backend, "tensor_parallel_size", 1)
+        if self.lora is not None and kind == "torchtitan" and tp > 1:
+            raise ValueError(
+                f"train.lora with train.backend.tensor_parallel_size {tp}: torchtitan's "
+                "tensor-parallel plan shards plain linears, and PEFT's adapter layers replace them; use "
+                "tensor_parallel_size 1 (FSDP2 over every rank) or backend fsdp2"
+            )
         if self.lora is not None and self.quantization != "none":
             raise ValueError(
                 f"train.lora with train.quantization: {self.quantization}: the fake quantization would round the "

@@ -9,6 +9,8 @@ own weight is `<module>.base_layer.weight` inside the model, and merged weights 
 from __future__ import annotations
 
 import json
+import math
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,23 +28,36 @@ PEFT_PREFIX = "base_model.model."
 INIT_SEED = 0  # A's random initialization: the same on every rank (and in every run), whatever torch's seed
 
 
+def initial_a(name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The start of the A matrix whose wire name is `name`: PEFT's default (kaiming-uniform, a = √5) drawn from a
+    generator seeded by `INIT_SEED` and the name, so that every rank, every run and every backend starts from the
+    same adapter whatever torch's seed (B starts at zero)."""
+    generator = torch.Generator().manual_seed(INIT_SEED * 1_000_003 + zlib.crc32(name.encode()))
+    a = torch.empty(tuple(shape))
+    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+    return a
+
+
 def wrap(model: torch.nn.Module, peft_kwargs: dict[str, Any], base_path: str | Path | None = None) -> Any:
-    """`model` with an adapter on its `target_modules` (PEFT's `get_peft_model`): the base frozen, A random (from
-    `INIT_SEED`, so that every trainer rank starts from the same adapter), B zero, so the wrapped model computes what
-    `model` did until the adapter trains."""
+    """`model` with an adapter on its `target_modules` (PEFT's `get_peft_model`): the base frozen, A from
+    `initial_a`, B zero, so the wrapped model computes what `model` did until the adapter trains."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(**peft_kwargs, base_model_name_or_path=None if base_path is None else str(base_path))
     try:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):  # manual_seed seeds the GPU's generator too
-            torch.manual_seed(INIT_SEED)
-            return get_peft_model(model, config)
+        with torch.random.fork_rng(devices=devices):  # PEFT's own draws leave torch's generators as they were
+            wrapped = get_peft_model(model, config)
     except ValueError as exc:  # PEFT: "Target modules {...} not found in the base model"
         raise ValueError(
             f"train.lora.target_modules {peft_kwargs['target_modules']}: {exc} (the model's linear modules: "
             f"{', '.join(sorted(linear_module_names(model)))})"
         ) from exc
+    with torch.no_grad():
+        for name, param in adapter_params(wrapped).items():
+            if ".lora_A." in name:
+                param.copy_(initial_a(name, param.shape))
+    return wrapped
 
 
 def linear_module_names(model: torch.nn.Module) -> set[str]:
@@ -63,21 +78,22 @@ def adapter_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {wire_name(n): p for n, p in model.named_parameters() if is_adapter(n)}
 
 
-def merged(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+def merged(state: dict[str, torch.Tensor], scaling: float, prefix: str = PEFT_PREFIX) -> dict[str, torch.Tensor]:
     """The model's own state dict from a PEFT-wrapped model's full one: each adapted linear's weight is
-    W + scaling · B A (computed in fp32), its other tensors (a bias) keep their names, the adapter goes."""
+    W + scaling · B A (computed in fp32), its other tensors (a bias) keep their names, the adapter goes. `prefix`:
+    what PEFT's wrapper puts before the model's names (none where the adapter was injected in place)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if is_adapter(name):
             continue
-        plain = name.removeprefix(PEFT_PREFIX)
+        plain = name.removeprefix(prefix)
         if ".base_layer." not in plain:
             out[plain] = tensor
             continue
         module, _, leaf = plain.rpartition(".base_layer.")
         if leaf == "weight":
-            a = state[f"{PEFT_PREFIX}{module}.lora_A.{ADAPTER_NAME}.weight"].float()
-            b = state[f"{PEFT_PREFIX}{module}.lora_B.{ADAPTER_NAME}.weight"].float()
+            a = state[f"{prefix}{module}.lora_A.{ADAPTER_NAME}.weight"].float()
+            b = state[f"{prefix}{module}.lora_B.{ADAPTER_NAME}.weight"].float()
             tensor = (tensor.float() + scaling * (b @ a)).to(tensor.dtype)
         out[f"{module}.{leaf}"] = tensor
     return out

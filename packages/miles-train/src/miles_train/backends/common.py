@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from miles_train import lora
 from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from miles_train.backends.update import TrainerBase
 from miles_train.config import TrainConfig
@@ -99,19 +101,44 @@ class FullStateBackend(Backend):
         self.optimizer.zero_grad(set_to_none=True)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors under HF names, on rank 0 (every rank takes part in the gather); a tied head is
-        the embedding, exported once (miles_sync.naming)."""
+        """On rank 0: the checkpoint's tensors under HF names (every rank takes part in the gather; a tied head is
+        the embedding, exported once: miles_sync.naming); with `train.lora` and `sync.lora: adapter`, the adapter
+        alone under PEFT's save names."""
+        if self.config.lora is not None and self.lora_push == "adapter":
+            adapter = self._adapter()
+            if self.rank == 0:
+                yield from adapter
+            return
         state = self._hf_state()
         if self.rank == 0:
             yield from state.items()
 
+    # ---- train.lora: the adapter (subclasses that take one give `_adapter_params` and `model_path`) -----------
+    model_path: str = ""
+
+    def _adapter_params(self) -> dict[str, torch.nn.Parameter]:
+        """The adapter's parameters under their wire names (PEFT's save names)."""
+        raise NotImplementedError
+
+    def _adapter(self) -> list[tuple[str, torch.Tensor]]:
+        """The adapter's matrices whole under PEFT's save names (collective), on every rank."""
+        self._param_shards()  # reshards: the parameters below are the sharded ones
+        return [(name, full_tensor(param).detach()) for name, param in self._adapter_params().items()]
+
     def save(self, directory: str | Path) -> None:
         """The common checkpoint with the full optimizer state: loadable on any number of ranks (torchtitan: of
-        the same padded vocabulary)."""
+        the same padded vocabulary). With `train.lora`: the merged weights (loadable as an HF model), the adapter's
+        optimizer state, and the adapter in PEFT's layout under `adapter/`."""
         weights = self._hf_state()
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_HOST)
         save_checkpoint(directory, self.rank, self.hf_config, weights, self._state(), optim_state)
         self._save_side_models(directory)
+        if self.config.lora is not None:
+            adapter = self._adapter()
+            if self.rank == 0:
+                kwargs = self.config.lora.peft_kwargs()
+                lora.save_adapter(Path(directory) / lora.ADAPTER_DIR, kwargs, self.model_path, adapter)
+            dist.barrier()
 
     def load(self, directory: str | Path) -> None:
         """Resume from `save`'s folder: weights, optimizer state, step and side models."""
@@ -123,8 +150,40 @@ class FullStateBackend(Backend):
         self._load_side_models(directory)
 
     def _load_weights(self, directory: Path, hf_state: dict[str, torch.Tensor]) -> None:
-        """Set the model's weights from a checkpoint's (its HF tensors, `hf_state`)."""
-        set_model_state_dict(self.model, self._from_hf(hf_state), options=StateDictOptions(full_state_dict=True))
+        """Full fine-tuning: the checkpoint's weights (its HF tensors, `hf_state`). With `train.lora`: its adapter
+        (`adapter/`), onto the job's base model; a checkpoint and a job that disagree on having one are refused,
+        naming train.lora."""
+        folder = directory / lora.ADAPTER_DIR
+        if self.config.lora is None:
+            if folder.is_dir():
+                raise ValueError(
+                    f"train.lora: checkpoint {directory} holds a LoRA adapter (its base frozen, the optimizer state "
+                    "the adapter's); resume it with train.lora set as it was, or export its merged weights "
+                    "(`miles export --merged`) and start a full fine-tuning job from them"
+                )
+            state = self._from_hf(hf_state)
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+            return
+        if not folder.is_dir():
+            raise ValueError(
+                f"train.lora: checkpoint {directory} holds no adapter (it was written by full fine-tuning); start the "
+                "LoRA job from its weights as the model (model.path) instead of resuming it"
+            )
+        saved, tensors = lora.read_adapter(folder)
+        lora.check_same_adapter(saved, self.config.lora.peft_kwargs(), str(folder))
+        params = self._adapter_params()
+        missing = sorted(set(params) - set(tensors))
+        if missing:
+            raise ValueError(f"train.lora: the adapter in {folder} lacks {len(missing)} matrices, e.g. {missing[:2]}")
+        self._param_shards()  # reshards: the parameters below are the sharded ones
+        with torch.no_grad():
+            for name, param in params.items():
+                value = tensors[name].to(device=self.device, dtype=param.dtype)
+                if hasattr(param, "device_mesh"):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    value = distribute_tensor(value, param.device_mesh, param.placements)
+                param.copy_(value)
 
     def _state(self) -> TrainerState:
         raise NotImplementedError

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from miles_train import lora
@@ -80,66 +79,8 @@ class FSDP2Backend(FullStateBackend):
             state = lora.merged(state, lora.scaling_of(self.config.lora.peft_kwargs()))
         return dict(convert.to_hf(self.hf_config, state)) if self.rank == 0 else {}
 
-    def _adapter(self) -> list[tuple[str, torch.Tensor]]:
-        """The adapter's matrices whole under PEFT's save names (collective), on every rank."""
-        self._param_shards()  # reshards: the parameters below are the sharded ones
-        return list(lora.full_adapter(self.model))
-
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """On rank 0: the checkpoint's tensors under HF names; with `train.lora` and `sync.lora: adapter`, the
-        adapter alone (every rank takes part in the gather)."""
-        if self.config.lora is None or self.lora_push == "merge":
-            yield from super().export_weights()
-            return
-        adapter = self._adapter()
-        if self.rank == 0:
-            yield from adapter
-
-    def save(self, directory: str | Path) -> None:
-        """The common checkpoint (with an adapter: the merged weights, loadable as an HF model, the adapter's
-        optimizer state) and, with `train.lora`, the adapter in PEFT's layout under `adapter/`."""
-        super().save(directory)
-        if self.config.lora is not None:
-            adapter = self._adapter()
-            if self.rank == 0:
-                kwargs = self.config.lora.peft_kwargs()
-                lora.save_adapter(Path(directory) / lora.ADAPTER_DIR, kwargs, self.model_path, adapter)
-            dist.barrier()
-
-    def _load_weights(self, directory: Path, hf_state: dict[str, torch.Tensor]) -> None:
-        """Full fine-tuning: the checkpoint's weights. With `train.lora`: its adapter (`adapter/`), onto the job's
-        base model; a checkpoint and a job that disagree on having one are refused, naming train.lora."""
-        folder = directory / lora.ADAPTER_DIR
-        if self.config.lora is None:
-            if folder.is_dir():
-                raise ValueError(
-                    f"train.lora: checkpoint {directory} holds a LoRA adapter (its base frozen, the optimizer state "
-                    "the adapter's); resume it with train.lora set as it was, or export its merged weights "
-                    "(`miles export --merged`) and start a full fine-tuning job from them"
-                )
-            super()._load_weights(directory, hf_state)
-            return
-        if not folder.is_dir():
-            raise ValueError(
-                f"train.lora: checkpoint {directory} holds no adapter (it was written by full fine-tuning); start the "
-                "LoRA job from its weights as the model (model.path) instead of resuming it"
-            )
-        kwargs = self.config.lora.peft_kwargs()
-        saved, tensors = lora.read_adapter(folder)
-        lora.check_same_adapter(saved, kwargs, str(folder))
-        params = lora.adapter_params(self.model)
-        missing = sorted(set(params) - set(tensors))
-        if missing:
-            raise ValueError(f"train.lora: the adapter in {folder} lacks {len(missing)} matrices, e.g. {missing[:2]}")
-        self._param_shards()  # reshards: the parameters below are the sharded ones
-        with torch.no_grad():
-            for name, param in params.items():
-                value = tensors[name].to(device=self.device, dtype=param.dtype)
-                if hasattr(param, "device_mesh"):
-                    from torch.distributed.tensor import distribute_tensor
-
-                    value = distribute_tensor(value, param.device_mesh, param.placements)
-                param.copy_(value)
+    def _adapter_params(self) -> dict[str, torch.nn.Parameter]:
+        return lora.adapter_params(self.model)
 
     def _from_hf(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return convert.from_hf(self.hf_config, hf_state)

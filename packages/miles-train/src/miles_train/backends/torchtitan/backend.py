@@ -1,6 +1,8 @@
 """torchtitan trainer backend: a Qwen2/Llama-family torchtitan model parallelised by torchtitan
 (`parallelize.py`: TP over `tensor_parallel_size` ranks, FSDP2 over the data-parallel ranks), HF weights in
-and out through its state-dict adapter (`convert.py`). fp32.
+and out through its state-dict adapter (`convert.py`). fp32. With `train.lora`, PEFT injects the adapter into
+torchtitan's linears before they are parallelised (`convert.py`); it is pushed, saved and resumed under the names it
+has on the HF model, as fsdp2's is.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from miles_train import lora
 from miles_train.backends.checkpoint import TrainerState
 from miles_train.backends.common import FullStateBackend, full_tensor
 from miles_train.backends.distributed import pad_rows, padded_vocab
@@ -40,7 +43,10 @@ class TorchtitanBackend(FullStateBackend):
         self.model_config = self._model_config(self.hf_config)
         self.adapter = convert.state_dict_adapter(self.model_config)
         hf_state = read_hf_state(model_path)
-        self.model = self._build(hf_state)
+        self.model_path = str(model_path)
+        self.model = self._build(
+            hf_state, adapter_kwargs=None if self.config.lora is None else self.config.lora.peft_kwargs()
+        )
         self.optimizer = self._adamw()
         if self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
             self.reference = self._build_frozen(self.config.teacher, hf_state).eval().requires_grad_(False)
@@ -55,11 +61,20 @@ class TorchtitanBackend(FullStateBackend):
         return model_config
 
     def _build(
-        self, hf_state: dict[str, torch.Tensor], model_config: Any = None, adapter: Any = None
+        self,
+        hf_state: dict[str, torch.Tensor],
+        model_config: Any = None,
+        adapter: Any = None,
+        adapter_kwargs: dict[str, Any] | None = None,
     ) -> torch.nn.Module:
+        """The model of `model_config` with `hf_state`'s weights; with `adapter_kwargs` (train.lora's PEFT
+        arguments) a LoRA adapter on it, at its start."""
         model_config = self.model_config if model_config is None else model_config
-        model = parallelize.build(model_config, self.layout, self.device, self.config.precision)
+        inject = None if adapter_kwargs is None else (lambda model: convert.inject_lora(model, adapter_kwargs))
+        model = parallelize.build(model_config, self.layout, self.device, self.config.precision, inject)
         state = self._from_hf(hf_state, adapter)
+        if adapter_kwargs is not None:
+            state = convert.with_lora(model, state)
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
         return model
 
@@ -77,7 +92,9 @@ class TorchtitanBackend(FullStateBackend):
 
     def _to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors (a tied head is the embedding: the adapter leaves it out, as miles_sync's
-        naming rule does)."""
+        naming rule does); with `train.lora`, the merged weights."""
+        if self.config.lora is not None:
+            state = lora.merged(state, lora.scaling_of(self.config.lora.peft_kwargs()), prefix="")
         hf = self.adapter.to_hf(state)
         return {name: t[: self.vocab_size] if name in _VOCAB_ROWS else t for name, t in hf.items()}
 
@@ -103,6 +120,10 @@ class TorchtitanBackend(FullStateBackend):
         """Full HF-named tensors (collective); meaningful on rank 0."""
         state = self._full_state()
         return self._to_hf(state) if self.rank == 0 else {}
+
+    def _adapter_params(self) -> dict[str, torch.nn.Parameter]:
+        params = dict(self.model.named_parameters())
+        return {wire: params[name] for name, wire in convert.lora_wire_names(self.model).items()}
 
     def _state(self) -> TrainerState:
         return TrainerState(self.name, self.step, self.world_size, self.tp, self.padded_vocab)

@@ -5,15 +5,25 @@ q, k and v projections, and Llama (default RoPE) is Qwen3 without either. So eve
 from torchtitan's Qwen3 parts (`Qwen3Model`, `Qwen3TransformerBlock`, `GQAttention` with separate
 q/k/v `QKVLinear`, `CosSinRoPE` — the rotate-half RoPE of HF —, SDPA causal attention), and its
 `Qwen3StateDictAdapter` learns the bias names.
+
+`train.lora`: PEFT injects the adapter into torchtitan's own linear modules (in place, before the model is
+parallelised on the meta device), and the adapter travels and is saved under the names PEFT gives it on the HF
+model, so engines, checkpoints and `miles export` read it as they read an fsdp2 adapter. torchtitan's modules and the
+HF projections they hold: `attention.qkv_linear.wq/wk/wv` ↔ `self_attn.q_proj/k_proj/v_proj`, `attention.wo` ↔
+`self_attn.o_proj`, `feed_forward.w1/w3/w2` ↔ `mlp.gate_proj/up_proj/down_proj`; `train.lora.target_modules` names
+the HF projections.
 """
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from typing import Any
 
+import torch
 import torch.nn as nn
 
+from miles_train import lora
 from miles_train.backends.hf_family import check_rebuildable, has_qk_norm, has_qkv_bias, head_dim, rope_parameters
 
 
@@ -99,3 +109,73 @@ def state_dict_adapter(config: Any):
                 self.from_hf_map[key] = f"layers.{{}}.attention.qkv_linear.{name}.bias"
 
     return Qwen2StateDictAdapter(config)
+
+
+# ---- train.lora -----------------------------------------------------------------------------------------
+# torchtitan module (within a layer) → the HF module it holds (within a layer)
+LORA_MODULES = {
+    "attention.qkv_linear.wq": "self_attn.q_proj",
+    "attention.qkv_linear.wk": "self_attn.k_proj",
+    "attention.qkv_linear.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
+_LORA_HF_LEAF = {hf.rsplit(".", 1)[1]: tt for tt, hf in LORA_MODULES.items()}  # q_proj → attention.qkv_linear.wq
+_LORA_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def lora_peft_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """PEFT's LoraConfig arguments for torchtitan's model: the HF projections of `target_modules` as the torchtitan
+    modules that hold them (full paths within a layer, so `w1` matches no other module). Refuses a name torchtitan's
+    model has no module for, naming the field."""
+    unknown = [name for name in kwargs["target_modules"] if name not in _LORA_HF_LEAF]
+    if unknown:
+        raise ValueError(
+            f"train.lora.target_modules {unknown}: torchtitan's model has no such projection (it adapts "
+            f"{', '.join(_LORA_HF_LEAF)})"
+        )
+    return {**kwargs, "target_modules": [_LORA_HF_LEAF[name] for name in kwargs["target_modules"]]}
+
+
+def inject_lora(model: torch.nn.Module, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """The adapter injected into `model` in place (PEFT's `inject_adapter_in_model`): the base frozen, the adapted
+    linears now PEFT layers with `base_layer`, `lora_A.default` and `lora_B.default`. On the meta device: the
+    values come with the checkpoint (`with_lora`)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    return inject_adapter_in_model(LoraConfig(**lora_peft_kwargs(kwargs)), model)
+
+
+def lora_hf_module(module: str) -> str:
+    """A torchtitan module path (`layers.3.attention.wo`) → the HF module it holds (`model.layers.3.self_attn.o_proj`)."""
+    match = _LORA_LAYER.match(module)
+    if match is None or match.group(2) not in LORA_MODULES:
+        raise ValueError(f"{module}: not a torchtitan module a LoRA adapter maps to an HF projection")
+    return f"model.layers.{match.group(1)}.{LORA_MODULES[match.group(2)]}"
+
+
+def lora_wire_names(model: torch.nn.Module) -> dict[str, str]:
+    """The adapter's parameters of `model` (torchtitan names) → their wire names: PEFT's save names on the HF model."""
+    names = {}
+    for name, _ in model.named_parameters():
+        if lora.is_adapter(name):
+            module, _, matrix = name.partition(".lora_")  # layers.0.attention.wo, A.default.weight
+            names[name] = lora.wire_name(f"{lora.PEFT_PREFIX}{lora_hf_module(module)}.lora_{matrix}")
+    return names
+
+
+def with_lora(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state dict of the model without an adapter (`state`) as the injected model's: each adapted linear's
+    weight under `<module>.base_layer.weight`, and the adapter's start (A from `lora.initial_a`, B zero)."""
+    adapted = {name.rsplit(".lora_", 1)[0] for name in lora_wire_names(model)}
+    out = {}
+    for name, tensor in state.items():
+        module, _, leaf = name.rpartition(".")
+        out[f"{module}.base_layer.{leaf}" if module in adapted else name] = tensor
+    params = dict(model.named_parameters())
+    for name, wire in lora_wire_names(model).items():
+        shape = params[name].shape
+        out[name] = lora.initial_a(wire, shape) if ".lora_A." in name else torch.zeros(tuple(shape))
+    return out

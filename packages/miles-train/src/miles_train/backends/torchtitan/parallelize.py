@@ -8,6 +8,7 @@ loss is already the global token mean.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,16 +55,25 @@ def data_parallel_group(layout: Layout, tp: int) -> Any:
 PARAM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # torchtitan's mixed_precision_param offers these two
 
 
-def build(model_config: Any, layout: Layout, device: torch.device, precision: str = "fp32") -> torch.nn.Module:
+def build(
+    model_config: Any,
+    layout: Layout,
+    device: torch.device,
+    precision: str = "fp32",
+    before_parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> torch.nn.Module:
     """The model of `model_config`, parallelised and materialised on `device` (weights uninitialised but for
     the RoPE tables: the caller loads the checkpoint). `precision` (train.precision) is torchtitan's
-    `mixed_precision_param`: FSDP2 gathers and computes in it; gradients reduce in fp32 into fp32 shards."""
+    `mixed_precision_param`: FSDP2 gathers and computes in it; gradients reduce in fp32 into fp32 shards.
+    `before_parallelize` changes the model built on the meta device first (`train.lora` injects its adapter)."""
     from torchtitan.config.configs import CompileConfig, TrainingConfig
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     with torch.device("meta"):
         model = model_config.build()
+        if before_parallelize is not None:
+            model = before_parallelize(model)
     with tempfile.TemporaryDirectory() as dump_folder:
         parallelize_qwen3(
             model,
