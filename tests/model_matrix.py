@@ -22,12 +22,55 @@ from pathlib import Path
 import torch
 
 # The families users bring, as miles_control.tiny_models shapes them (vocabulary: the arithmetic character
-# tokenizer's, since SGLang needs a tokenizer in the folder); megatron and torchtitan refuse llama3.2's RoPE scaling.
-FAMILIES = ("qwen2.5", "llama3", "llama3.2", "qwen3")
+# tokenizer's, since SGLang needs a tokenizer in the folder); megatron and torchtitan refuse llama3.2's RoPE scaling
+# and the layers that differ from Llama's (Phi-3's fused checkpoint projections, OLMo-2's norms).
+FAMILIES = ("qwen2.5", "llama3", "llama3.2", "qwen3", "mistral", "phi3", "olmo2")
+# What the rebuilt models of megatron and torchtitan do not cover, and the config.json field their refusal names
+# (everything else is expected to run).
+REFUSED = {
+    ("llama3.2", "megatron"): "rope_parameters.rope_type: 'llama3'",
+    ("llama3.2", "torchtitan"): "rope_parameters.rope_type: 'llama3'",
+    ("phi3", "megatron"): "model_type: 'phi3'",
+    ("phi3", "torchtitan"): "model_type: 'phi3'",
+    ("olmo2", "megatron"): "model_type: 'olmo2'",
+    ("olmo2", "torchtitan"): "model_type: 'olmo2'",
+}
+# The table docs/real-models.md shows, one row per family: what sets it apart
+TITLES = {
+    "qwen2.5": "Qwen2 / Qwen2.5 (q/k/v biases, tied head)",
+    "llama3": "Llama 3 (untied head)",
+    "llama3.2": "Llama 3.2 (tied head, `llama3` RoPE scaling)",
+    "qwen3": "Qwen3 (per-head q/k RMSNorm, wide `head_dim`)",
+    "mistral": "Mistral v0.3 (Llama's layer, `sliding_window: null`)",
+    "phi3": "Phi-3 (`qkv_proj` and `gate_up_proj` fused in the checkpoint)",
+    "olmo2": "OLMo-2 (norms after attention and MLP, q/k RMSNorm over all heads)",
+}
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("fsdp2", "megatron", "torchtitan")
 ENGINES = ("hf", "sglang")
 STEPS = 2
+
+
+def table() -> str:
+    """The family × backend × engine table of docs/real-models.md, as this matrix runs it (test_model_matrix checks
+    that the page shows it): every cell runs two steps on both engines in fp32 and bf16, or is refused."""
+    lines = [
+        "| family (config) | `hf` / `sglang` engine | " + " | ".join(f"`{b}`" for b in BACKENDS) + " |",
+        "|---|---|" + "---|" * len(BACKENDS),
+    ]
+    for family in FAMILIES:
+        cells, first = [], None
+        for backend in BACKENDS:
+            refused = REFUSED.get((family, backend))
+            if refused is None:
+                cells.append("yes")
+            elif refused == first:
+                cells.append("refused: same")
+            else:
+                cells.append(f"refused: `{refused}`")
+                first = refused
+        lines.append(f"| {TITLES[family]} | both | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def build_model(family: str, dtype: str, folder: Path) -> Path:

@@ -20,13 +20,11 @@ import pytest
 from miles_control.tiny_models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_matrix import BACKENDS, DTYPES, FAMILIES  # noqa: E402
+from model_matrix import BACKENDS, DTYPES, FAMILIES, REFUSED, table  # noqa: E402
 
 ENGINES = ["hf"] + (["sglang"] if importlib.util.find_spec("sglang") is not None else [])
 FP32_BOUND = 1e-5
 BF16_BOUND = 0.02
-# What the rebuilt models of megatron and torchtitan do not cover (everything else is expected to run).
-REFUSED = {("llama3.2", "megatron"): "rope_parameters.rope_type: 'llama3'", ("llama3.2", "torchtitan"): "rope_type"}
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +59,14 @@ def matrix(tmp_path_factory, request):
     return of
 
 
+# Tensors per layer beyond Llama's nine (q, k, v, o, gate, up, down, two norms): Qwen2's q/k/v biases, Qwen3's and
+# OLMo-2's q/k norms (OLMo-2's two norms are after attention and MLP: as many), Phi-3's fused qkv and gate_up.
+EXTRA_PER_LAYER = {"qwen2": 3, "qwen2.5": 3, "qwen3": 2, "olmo2": 2, "phi3": -3}
+
+
 def checkpoint_tensors(family: str) -> int:
     """Tensors of a 2-layer model of the family as its checkpoint holds them (a tied head once)."""
-    per_layer = 9 + (3 if family.startswith("qwen2") else 0) + (2 if family == "qwen3" else 0)
+    per_layer = 9 + EXTRA_PER_LAYER.get(family, 0)
     tied = tiny_model(family).tie_word_embeddings
     return 2 * per_layer + 2 + (0 if tied else 1)
 
@@ -115,3 +118,9 @@ def test_two_steps_or_a_clear_refusal(matrix, family, dtype, engine, backend):
         assert 0.0 < steps[1]["train/update_kept_frac"] < 1.0  # some changes round away, most do not (lr 1e-3)
     # old logprobs recomputed under the weights as pushed, the forward under them too: the ratio starts at 1
     assert steps[1]["train/ratio"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_docs_show_the_matrix_as_it_runs():
+    """docs/real-models.md's family table is the one this matrix generates (`model_matrix.table()`)."""
+    page = (Path(__file__).parents[1] / "docs" / "real-models.md").read_text()
+    assert table() in page, "docs/real-models.md: replace the family table with:\n" + table()

@@ -91,6 +91,19 @@ def test_settings_the_rebuilt_models_lack_are_refused_naming_the_field(setting, 
             check_family(config, backend)
 
 
+def test_mistral_is_rebuilt_as_llama_unless_its_sliding_window_is_shorter_than_its_context():
+    from miles_control.tiny_models import tiny_model
+    from miles_train.backends.hf_family import check_family
+
+    v03 = tiny_model("mistral", max_position_embeddings=256)  # sliding_window null (Mistral v0.3)
+    for backend in ("megatron", "torchtitan"):
+        check_family(v03, backend)
+    v01 = tiny_model("mistral", max_position_embeddings=256, sliding_window=64)  # Mistral v0.1: 4096 of 32768
+    with pytest.raises(ValueError, match=r"megatron backend: config.json sliding_window: 64 is not supported"):
+        check_family(v01, "megatron")
+    check_family(tiny_model("mistral", max_position_embeddings=256, sliding_window=256), "torchtitan")  # never slides
+
+
 def test_megatron_refuses_checkpoint_tensors_it_has_no_place_for():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from miles_train.backends.megatron import convert

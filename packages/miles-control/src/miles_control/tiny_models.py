@@ -56,6 +56,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Llama 3.2 (1B/3B): tied head and llama3 RoPE scaling
     "llama3.2": ("LlamaConfig", {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
+    # Mistral v0.3 (7B): Llama's layer, no sliding window, untied head
+    "mistral": (
+        "MistralConfig",
+        {
+            "tie_word_embeddings": False,
+            "sliding_window": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+    ),
+    # Phi-3 (mini): q/k/v fused in one qkv_proj and gate/up in one gate_up_proj in the checkpoint
+    "phi3": ("Phi3Config", {"tie_word_embeddings": False, "sliding_window": None}),
+    # OLMo-2: norms after attention and MLP (not before), q/k RMSNorm over all heads
+    "olmo2": ("Olmo2Config", {"tie_word_embeddings": False}),
     # a family no backend rebuilds and SGLang's weight check does not know
     "gpt2": ("GPT2Config", {}),
 }

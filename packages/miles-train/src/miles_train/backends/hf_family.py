@@ -1,5 +1,5 @@
-"""The HF model families the megatron and torchtitan backends rebuild (Qwen2/2.5, Qwen3, Llama), and
-what of their configs those rebuilds cover. Anything else is refused with the config.json field that
+"""The HF model families the megatron and torchtitan backends rebuild (Qwen2/2.5, Qwen3, Llama, and Mistral
+without a sliding window: Llama's layer under another model_type), and what of their configs those rebuilds cover. Anything else is refused with the config.json field that
 asks for it, rather than giving a model that silently drops weights or computes something else."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SUPPORTED = ("qwen2", "qwen3", "llama")
+SUPPORTED = ("qwen2", "qwen3", "llama", "mistral")
 
 
 class UnsupportedModel(ValueError):
@@ -51,6 +51,9 @@ def unsupported_fields(hf_config: Any) -> list[tuple[str, Any, str]]:
         found.append(("mlp_bias", True, "MLP projections without biases only"))
     if getattr(hf_config, "use_sliding_window", False):
         found.append(("use_sliding_window", True, "full causal attention only"))
+    window = getattr(hf_config, "sliding_window", None) if model_type == "mistral" else None
+    if window is not None and window < hf_config.max_position_embeddings:  # Mistral v0.1: 4096 of 32768
+        found.append(("sliding_window", window, "full causal attention only"))
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         found.append(("hidden_act", hf_config.hidden_act, "SwiGLU (silu) only"))
     rope_type = rope_parameters(hf_config).get("rope_type", "default")

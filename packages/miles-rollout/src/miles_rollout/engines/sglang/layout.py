@@ -15,7 +15,9 @@ from collections.abc import Iterable
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3")  # config.json model_type values whose layout this module computes
+# config.json model_type values whose layout this module computes: Mistral's is Llama's; Phi-3's checkpoint holds
+# qkv_proj and gate_up_proj already fused, as SGLang does; OLMo-2 adds its q/k and post-layer norms under their names
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2")
 
 _FUSED = [
     (re.compile(r"^(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$"), "qkv_proj", ("q", "k", "v")),
