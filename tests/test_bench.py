@@ -95,6 +95,7 @@ def test_weights_bench_fits_every_transport_and_projects_by_its_formula(tmp_path
     assert "1 T parameters in 7.2 s (Miles' published figure; a claim, not measured here)" in report
 
 
+@pytest.mark.extended  # a measurement for the docs; every backend trains end to end in the default tier elsewhere
 def test_trainer_bench_reports_every_backend_against_the_plain_loop(tmp_path):
     report = run_bench("trainer_throughput.py", tmp_path, needs_sglang=False)
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in report.splitlines() if line.startswith("| ")}
