@@ -309,7 +309,6 @@ class JobRuntime:
         checks and records it (the next push and the end of a schedule settle it too); the returned metrics are
         then empty and recorded at `step` when settled.
         """
-
         self.settle_push()  # one push in flight at most: a version is published once the last one landed
         if between_batches and needs_receiver_ranks(self.spec.sync):
             # a collective transport (broadcast, p2p) sends with every trainer rank taking part, inside a timeout:

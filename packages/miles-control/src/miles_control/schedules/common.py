@@ -57,9 +57,9 @@ def finish_step(
 ) -> None:
     """After a train step of an asynchronous schedule: push if due, evaluate beside training, record.
 
-    With `push_between_batches` the push lands once the batch being generated ends (settled later: by the next
-    push, by one_step_off before it starts the next batch, or here at the last step); an evaluation started
-    meanwhile waits on the rollout actor for the pushed version."""
+    With `push_between_batches` the push lands once the batch being generated ends; the trainer checks and records
+    it later (at the next push, or here at the last step). A batch or an evaluation asked for meanwhile waits on the
+    rollout actor for the pushed version."""
     if version % cfg.update_weights_interval == 0 or last:
         metrics |= rt.push_weights(step, version, cfg.pause_mode, cfg.push_between_batches)
         if last:
