@@ -97,3 +97,8 @@ def test_the_rollouts_idle_time_between_batches_is_split_by_what_ran_meanwhile()
     assert gaps["training"] == pytest.approx(0.6)
     assert gaps["pushing"] == pytest.approx(0.1 + 0.01)  # the push's own 0.1 s, and the second's hand-off
     assert gaps["other"] == pytest.approx(1.0 - 0.6 - 0.11)
+    assert "drain" not in gaps
+    spans += [span("train", 4.0, 4.7), span("weight_sync", 4.7, 4.8), span("eval", 4.8, 5.5)]
+    drained = rollout_gaps(spans, loop_end=5.5)
+    assert drained["drain"] == pytest.approx(0.8)  # the last training and push; the final evaluation is busy
+    assert drained["idle"] == pytest.approx(gaps["idle"])

@@ -64,7 +64,8 @@ class RunSummary:
     push_waits_s: list[float] = field(default_factory=list)
     # the rollout's idle time between one batch (a fully_async call) and the next, in seconds: "idle", of which
     # "pushing" (a push ran), "training" (a train step and no push ran: under one_step_off the next batch waits for
-    # its weights) and "other" (scheduling, round trips, a full buffer)
+    # its weights) and "other" (scheduling, round trips, a full buffer); and "drain": idle after the last batch (the
+    # last step's training and push, which no schedule overlaps with generation; evaluation is not idle)
     rollout_gaps_s: dict[str, float] = field(default_factory=dict)
     eval_accuracy: list[tuple[int, float]] = field(default_factory=list)
     reward_by_step: list[tuple[int, float]] = field(default_factory=list)
@@ -151,8 +152,9 @@ def push_breakdown(pushes: list[tuple[float, dict[str, float]]]) -> dict[str, fl
     return mean
 
 
-def rollout_gaps(spans: list[Any]) -> dict[str, float]:
-    """Where the rollout's idle time between consecutive batches went (see RunSummary.rollout_gaps_s)."""
+def rollout_gaps(spans: list[Any], loop_end: float | None = None) -> dict[str, float]:
+    """Where the rollout's idle time between consecutive batches went (see RunSummary.rollout_gaps_s); with
+    `loop_end`, also its idle time after the last batch (`drain`)."""
     batches = sorted((sp.start, sp.end) for sp in spans if sp.stage == "rollout")
     trains = [(sp.start, sp.end) for sp in spans if sp.stage == "train"]
     pushes = [part for sp in spans if sp.stage == "weight_sync" for part in _busy_parts(sp)]
@@ -163,7 +165,14 @@ def rollout_gaps(spans: list[Any]) -> dict[str, float]:
         idle += start - end
         pushing += union_seconds(pushes, end, start)  # first: the next train step may start beside a push
         busy += union_seconds(trains + pushes, end, start)
-    return {"idle": idle, "pushing": pushing, "training": busy - pushing, "other": idle - busy} if batches else {}
+    if not batches:
+        return {}
+    gaps = {"idle": idle, "pushing": pushing, "training": busy - pushing, "other": idle - busy}
+    if loop_end is not None:  # the last step's training and push, then the evaluation of the final weights
+        last = max(end for _, end in batches)
+        evals = [(sp.start, sp.end) for sp in spans if sp.stage == "eval"]
+        gaps["drain"] = max(0.0, loop_end - last - union_seconds(evals, last, loop_end))
+    return gaps
 
 
 def _phases(span: Any) -> dict[str, float]:
@@ -225,7 +234,7 @@ def summarize(store: Store, job_id: int) -> RunSummary:
     summary.trainer_busy_s = union_seconds(
         [part for s in spans if s.stage in TRAINER_STAGES for part in _busy_parts(s)], lo, hi
     )
-    summary.rollout_gaps_s = rollout_gaps(spans)
+    summary.rollout_gaps_s = rollout_gaps(spans, hi)
     pushes = [sp for sp in spans if sp.stage == "weight_sync"]
     summary.push_waits_s = [_waited_s(sp) for sp in pushes]
     summary.weight_sync_s = [sp.end - sp.start - _waited_s(sp) for sp in pushes]
