@@ -4,7 +4,8 @@ usage: python lora_rank.py MODEL_DIR RANK WORLD_SIZE PORT OUT_FILE CKPT_DIR PORT
 
 A trainer of BACKEND (fsdp2 or torchtitan) with `train.lora` (rank 4 on q_proj and v_proj, KL to the base): two steps, a save, a third step,
 then a fresh trainer loads the checkpoint and takes the third step again. Rank 0 records the merged export before
-and after, the adapter after each step, the optimizer's state and both third steps.
+and after, the adapter after each step, the optimizer's state and both third steps; and the KL reference's and the
+policy's logprobs after two steps, and the fresh trainer's before it loads (its adapter's B is zero: the base model's).
 """
 
 import sys
@@ -40,6 +41,9 @@ def main() -> None:
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")
     record: dict = {"merged_before": exported(backend, "merge"), "adapter_before": exported(backend, "adapter")}
     record["metrics"] = [backend.train_step(contract_batch()) for _ in range(2)]
+    record["reference"] = type(backend.reference).__name__
+    record["reference_logprobs"] = backend._padded_logprobs(contract_batch(), model=backend.reference)
+    record["policy_logprobs"] = backend._padded_logprobs(contract_batch())
     record["adapter_saved"] = exported(backend, "adapter")
     record["merged_saved"] = exported(backend, "merge")
     backend.save(ckpt)
@@ -49,6 +53,7 @@ def main() -> None:
     backend.shutdown()
 
     resumed = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port2}")
+    record["base_logprobs"] = resumed._padded_logprobs(contract_batch())
     resumed.load(ckpt)
     record["adapter_loaded"] = exported(resumed, "adapter")
     record["step_loaded"] = resumed.step

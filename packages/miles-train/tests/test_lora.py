@@ -109,6 +109,17 @@ def test_two_ranks_and_torchtitan_train_the_adapter_one_fsdp2_rank_does(runs, ot
 
 
 @pytest.mark.parametrize("which", RUNS, ids=lambda w: f"{w[0]}-x{w[1]}")
+def test_the_kl_reference_is_the_base_under_the_adapter_switched_off(runs, which):
+    """No second copy of the model: after two steps the reference still computes the base model's logprobs
+    (those of a fresh adapter, B = 0), while the policy's have moved, and the KL the loss reports is not zero."""
+    run = runs[which]
+    assert run["reference"] == "AdapterOff"
+    torch.testing.assert_close(run["reference_logprobs"], run["base_logprobs"], rtol=0, atol=1e-5)
+    assert (run["policy_logprobs"] - run["base_logprobs"]).abs().max() > 1e-3
+    assert run["metrics"][1]["train/kl"] > 0
+
+
+@pytest.mark.parametrize("which", RUNS, ids=lambda w: f"{w[0]}-x{w[1]}")
 def test_a_checkpoint_resumes_to_the_same_next_step(runs, which):
     run = runs[which]
     assert run["step_loaded"] == 2

@@ -367,6 +367,12 @@ class TrainConfig(_Strict):
         """Whether the trainer holds a frozen second model: the KL reference, or the distillation teacher."""
         return self.algorithm.kl_coef > 0 or self.teacher is not None
 
+    @property
+    def reference_is_base(self) -> bool:
+        """Whether the KL reference is the policy's own model with its adapter switched off (`train.lora`, no
+        teacher): the base weights stay frozen, so the trainer holds no second copy."""
+        return self.lora is not None and self.teacher is None
+
     def reference_path(self, model_path: str) -> str:
         """Where the frozen model is read from: the teacher's folder, else the policy's checkpoint."""
         return self.teacher or str(model_path)

@@ -8,6 +8,7 @@ own weight is `<module>.base_layer.weight` inside the model, and merged weights 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import zlib
@@ -71,6 +72,36 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a PEFT wrapper (the model itself when it has none)."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block `model` computes its frozen base: every PEFT adapter layer is switched off (PEFT's
+    `enable_adapters(False)`, what `PeftModel.disable_adapter` does, for a PEFT wrapper or adapters injected into
+    another model), then on again."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+class AdapterOff:
+    """The KL reference of a LoRA policy without a second copy of the model: calling it runs the policy's own model
+    with its adapter switched off, which is the frozen base the adapter started from (what a copy of the checkpoint
+    would compute, at none of its memory)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with adapters_off(self.model):
+            return self.model(*args, **kwargs)
 
 
 def adapter_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -33,7 +33,9 @@ class FSDP2Backend(FullStateBackend):
         self.model = self._load(model_path, adapter=self.config.lora is not None)
         self.hf_config = self.model.config
         self.optimizer = self._adamw()
-        if self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher
+        if self.config.needs_reference and self.config.reference_is_base:  # LoRA: the base under the adapter
+            self.reference = lora.AdapterOff(self.model)
+        elif self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher
             self.reference = self._load(self.config.reference_path(model_path)).eval().requires_grad_(False)
         self.scaler = None
         if self.config.precision == "fp16":  # dynamic loss scaling; found-inf is agreed on across the ranks

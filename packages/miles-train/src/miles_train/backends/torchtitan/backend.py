@@ -48,7 +48,9 @@ class TorchtitanBackend(FullStateBackend):
             hf_state, adapter_kwargs=None if self.config.lora is None else self.config.lora.peft_kwargs()
         )
         self.optimizer = self._adamw()
-        if self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
+        if self.config.needs_reference and self.config.reference_is_base:  # LoRA: the base under the adapter
+            self.reference = lora.AdapterOff(self.model)
+        elif self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
             self.reference = self._build_frozen(self.config.teacher, hf_state).eval().requires_grad_(False)
 
     def _model_config(self, hf_config: Any) -> Any:
