@@ -33,6 +33,14 @@ def test_a_backend_that_cannot_train_the_model_is_refused_naming_the_config_fiel
     check_job(spec(), llama32_bf16)  # fsdp2 trains whatever transformers builds
 
 
+def test_a_mixture_of_experts_is_refused_the_p2p_transport_naming_the_field(tmp_path):
+    """p2p pushes row shards of the model's own tensors; an MoE holds its experts fused, not as the checkpoint."""
+    save_tiny_model(tmp_path, tiny_model("qwen3_moe", vocab_size=32))
+    with pytest.raises(JobCheckError, match=r"sync.transport: p2p .* \(num_experts: 4 in config.json\)"):
+        check_job(spec(sync={"transport": "p2p"}), tmp_path)
+    check_job(spec(), tmp_path)  # the default transport carries the checkpoint's per-expert tensors
+
+
 def test_pushes_the_engines_would_round_are_refused(llama32_bf16):
     with pytest.raises(JobCheckError, match="sync.dtype: float32 is not what the engines hold \\(bfloat16\\)"):
         check_job(spec(sync={"dtype": "float32"}), llama32_bf16)

@@ -166,3 +166,51 @@ def test_backend_by_name_and_default():
         assert TrainConfig.model_validate({"grpo": {"staleness_max": 3}}).algorithm.drop_older_than == 3
     megatron = TrainConfig.model_validate({"backend": {"type": "megatron", "world_size": 4, "tensor_parallel_size": 2}})
     assert megatron.backend.data_parallel_size == 2
+
+
+def test_a_mixture_of_experts_travels_as_its_checkpoint_and_back(tmp_path):
+    """Qwen3-MoE: transformers holds each layer's experts fused in 3-D parameters and saves them per expert. The
+    fsdp2 export gives the saved checkpoint's names, shapes and values as views (no copy), writing a view writes
+    the parameter, and the model's state comes back from the checkpoint's tensors bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from miles_control.tiny_models import save_tiny_model
+    from miles_train.backends.fsdp2 import convert
+
+    folder = save_tiny_model(tmp_path, tiny_model("qwen3_moe", vocab_size=19), seed=4)
+    saved = load_file(str(folder / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    state = dict(model.state_dict())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # fused in memory
+    exported = dict(convert.to_hf(model, state))
+    assert set(exported) == set(saved)  # per expert on the wire, as on disk
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
+    storages = {t.untyped_storage().data_ptr() for t in state.values()}
+    assert all(t.untyped_storage().data_ptr() in storages for t in exported.values())  # views, not copies
+    up = exported["model.layers.1.mlp.experts.3.up_proj.weight"]
+    up.fill_(7.0)  # expert 3's up projection is the second half of its gate_up rows
+    assert torch.all(state["model.layers.1.mlp.experts.gate_up_proj"][3, up.shape[0] :] == 7.0)
+    assert not torch.any(state["model.layers.1.mlp.experts.gate_up_proj"][3, : up.shape[0]] == 7.0)
+    back = convert.from_hf(model, saved)
+    assert set(back) == set(model.state_dict())
+    for name, tensor in AutoModelForCausalLM.from_pretrained(str(folder)).state_dict().items():
+        assert torch.equal(back[name], tensor), name
+    assert convert.converted(model, state) == [n for n in state if ".mlp.experts." in n]
+
+
+def test_a_layout_that_is_not_a_block_of_the_model_tensor_is_refused():
+    from miles_sync.naming import checkpoint_views
+
+    def transposed(tensors: dict) -> dict:  # a conversion no view can express
+        return {f"{name}.t": t.t() for name, t in tensors.items()}
+
+    with pytest.raises(ValueError, match="w.t: the checkpoint's tensor is not one contiguous block of the model's w"):
+        checkpoint_views({"w": torch.zeros(3, 4)}, transposed)
+
+    def halved(tensors: dict) -> dict:
+        return dict(zip(("a", "b"), tensors["w"].chunk(2), strict=True))
+
+    halves = checkpoint_views({"w": torch.arange(12.0).view(4, 3)}, halved)
+    assert torch.equal(halves["b"], torch.arange(6.0, 12.0).view(2, 3))

@@ -41,6 +41,9 @@ def add_plugin_dirs(dirs: Sequence[str | Path]) -> str:
     return os.environ[PLUGIN_DIRS_ENV]
 
 
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json: a mixture of experts
+
+
 def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     """Raise JobCheckError for the first problem found (see the module docstring)."""
     from transformers import AutoConfig
@@ -60,6 +63,13 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
         spec.sync.for_engines(engine_dtype(spec.rollout.engine.dtype, model_path))
     except ValueError as exc:
         raise JobCheckError(str(exc)) from None
+    experts = next((f"{k}: {v}" for k in EXPERT_FIELDS if (v := getattr(hf_config, k, None))), None)
+    if experts and spec.sync.transport == "p2p":
+        raise JobCheckError(
+            f"sync.transport: p2p sends each trainer rank's rows of the model's own tensors, and this model "
+            f"({experts} in config.json) holds its experts fused, in another layout than the checkpoint a push "
+            "carries; use disk, shm or broadcast"
+        )
     check_precision(spec, model_path)
     check_quantization(spec, hf_config)
     try:

@@ -69,6 +69,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"tie_word_embeddings": False, "sliding_window": None}),
     # OLMo-2: norms after attention and MLP (not before), q/k RMSNorm over all heads
     "olmo2": ("Olmo2Config", {"tie_word_embeddings": False}),
+    # Qwen3-MoE (30B-A3B): Qwen3's attention, every MLP a mixture of experts (top-2 of 4 here, probabilities
+    # renormalised over the chosen), untied head
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    ),
     # a family no backend rebuilds and SGLang's weight check does not know
     "gpt2": ("GPT2Config", {}),
 }

@@ -9,7 +9,9 @@ that finds it in a checkpoint folder drops it the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+import torch
 
 from miles_sync.types import NamedTensor, NamedTensors
 
@@ -53,3 +55,40 @@ def lora_param_name(wire: str) -> str:
         if outside in wire:
             return wire.replace(outside, inside)
     raise ValueError(f"{wire} is not a LoRA adapter matrix")
+
+
+# Checkpoint layout. A model may hold some tensors in another layout than its checkpoint: transformers ≥ 5 fuses a
+# mixture of experts' per-expert projections (`mlp.experts.<e>.gate_proj.weight`, `up_proj`, `down_proj` on disk)
+# into 3-D parameters (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), and `save_pretrained` splits them back.
+# A push carries the checkpoint's names and shapes (what SGLang loads, what every backend converts from), so a
+# trainer exporting such a model and an engine holding one both need, for every checkpoint tensor, where it lies in
+# the model's own tensors.
+def checkpoint_views(named: dict[str, torch.Tensor], revert: Callable[[dict], dict]) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor of a model as a view into the model's own tensors `named` (its parameters, or a full
+    state dict), by checkpoint name. `revert` maps model-named tensors to checkpoint-named ones (transformers'
+    `revert_weight_conversion(model, ·)`, what `save_pretrained` applies); it is run on index tensors, one model
+    tensor at a time, so the views are exact whatever the conversion (split, unbind, concatenate) and no weight is
+    copied. Writing into a view writes the model's tensor. A model tensor that maps to itself is returned as is.
+    ValueError names a checkpoint tensor that is not one contiguous block of one model tensor."""
+    views: dict[str, torch.Tensor] = {}
+    for name, tensor in named.items():
+        meta = revert({name: torch.empty(tensor.shape, device="meta")})
+        if list(meta) == [name]:  # not converted: the same tensor under the same name
+            views[name] = tensor
+            continue
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: a converted model tensor must be contiguous to be viewed by checkpoint name")
+        index_dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+        probe = torch.arange(tensor.numel(), dtype=index_dtype).view(tensor.shape)
+        flat = tensor.view(-1)
+        for wire, where in revert({name: probe}).items():
+            positions = where.reshape(-1)
+            start = int(positions[0]) if positions.numel() else 0
+            block = torch.arange(start, start + positions.numel(), dtype=index_dtype)
+            if not torch.equal(positions, block):
+                raise ValueError(
+                    f"{wire}: the checkpoint's tensor is not one contiguous block of the model's {name} (the model "
+                    "holds it in a layout miles cannot view; its push would need a copy)"
+                )
+            views[wire] = flat[start : start + positions.numel()].view(where.shape)
+    return views

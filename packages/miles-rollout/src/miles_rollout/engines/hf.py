@@ -24,6 +24,7 @@ from miles_rollout.engines.versions import WeightVersions
 from miles_rollout.protocol import WeightPushError
 from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from miles_sync import WeightHandle, is_lora, lora_wire_name, receive
+from miles_sync.naming import checkpoint_views
 from miles_sync.protocol import Buckets
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class HFEngine:
         self.dtype = engine_dtype(config.dtype, model_path)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, self.dtype))
         self.lora = lora
+        self._views: dict[str, torch.Tensor] | None = None  # the checkpoint's tensors in the parameters (no adapter)
         if lora is not None:
             from peft import LoraConfig, get_peft_model
 
@@ -91,12 +93,19 @@ class HFEngine:
         self._aborted_ids: set[str] = set()  # abort_requests(): rows that end at their next token
         self._weights_lock = threading.Lock()
 
-    def _pushed_params(self) -> dict[str, torch.nn.Parameter]:
-        """What a push replaces, by the names it travels under: every parameter (a tied head once, as the
-        embedding: the rule of miles_sync.naming), or with an adapter its matrices alone (PEFT's save names)."""
-        if self.lora is None:
-            return dict(self.model.named_parameters())
-        return {lora_wire_name(n): p for n, p in self.model.named_parameters() if is_lora(n)}
+    def _pushed_params(self) -> dict[str, torch.Tensor]:
+        """What a push replaces, by the names it travels under: every checkpoint tensor (a tied head once, as the
+        embedding: the rule of miles_sync.naming), as views into the parameters where transformers holds them in
+        another layout (a mixture of experts' fused expert weights); or with an adapter its matrices alone (PEFT's
+        save names)."""
+        if self.lora is not None:
+            return {lora_wire_name(n): p for n, p in self.model.named_parameters() if is_lora(n)}
+        if self._views is None:
+            from transformers.core_model_loading import revert_weight_conversion
+
+            params = dict(self.model.named_parameters())
+            self._views = checkpoint_views(params, lambda tensors: revert_weight_conversion(self.model, tensors))
+        return self._views
 
     @property
     def weight_version(self) -> int:

@@ -16,13 +16,34 @@ from collections.abc import Iterable
 import torch
 
 # config.json model_type values whose layout this module computes: Mistral's is Llama's; Phi-3's checkpoint holds
-# qkv_proj and gate_up_proj already fused, as SGLang does; OLMo-2 adds its q/k and post-layer norms under their names
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2")
+# qkv_proj and gate_up_proj already fused, as SGLang does; OLMo-2 adds its q/k and post-layer norms under their names;
+# Qwen3-MoE's experts are stacked (below)
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe")
 
 _FUSED = [
     (re.compile(r"^(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$"), "qkv_proj", ("q", "k", "v")),
     (re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.(weight)$"), "gate_up_proj", ("gate", "up")),
 ]
+
+
+# A mixture of experts: SGLang's FusedMoE holds every expert of a layer in two stacked tensors, `w13_weight`
+# [experts, 2 × moe_intermediate, hidden] (each expert's gate then up projection) and `w2_weight` [experts, hidden,
+# moe_intermediate] (its down projection); the router stays `mlp.gate.weight`.
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _stack_experts(experts: dict[str, dict[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """SGLang's stacked expert tensors from the checkpoint's per-expert projections (prefix → expert → projection)."""
+    out = {}
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        if order != list(range(len(order))) or any(set(by_expert[e]) != {"gate", "up", "down"} for e in order):
+            raise ValueError(f"{prefix}: the published weights miss experts or projections (experts {order})")
+        out[f"{prefix}.w13_weight"] = torch.stack(
+            [torch.cat([by_expert[e]["gate"], by_expert[e]["up"]]) for e in order]
+        )
+        out[f"{prefix}.w2_weight"] = torch.stack([by_expert[e]["down"] for e in order])
+    return out
 
 
 # SGLang pads the vocabulary dimension of these to a multiple of 64 rows, filled with zeros.
@@ -49,9 +70,14 @@ def expected_checksums(
     plain: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
     order: dict[str, tuple[str, ...]] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, tensor in named_tensors:
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
+        expert = _EXPERT.match(name)
+        if expert:
+            experts.setdefault(expert.group(1), {}).setdefault(int(expert.group(2)), {})[expert.group(3)] = tensor
+            continue
         for pattern, fused, members in _FUSED:
             match = pattern.match(name)
             if match:
@@ -61,6 +87,7 @@ def expected_checksums(
                 break
         else:
             plain[name] = tensor
+    plain |= _stack_experts(experts)
     out = {name: sglang_checksum(_pad_vocab(t) if name in _VOCAB_PADDED else t) for name, t in plain.items()}
     for key, members in parts.items():
         missing = [m for m in order[key] if m not in members]

@@ -79,13 +79,13 @@ class FSDP2Backend(FullStateBackend):
         state = self._full_state()
         if self.config.lora is not None and self.rank == 0:
             state = lora.merged(state, lora.scaling_of(self.config.lora.peft_kwargs()))
-        return dict(convert.to_hf(self.hf_config, state)) if self.rank == 0 else {}
+        return dict(convert.to_hf(lora.base_model(self.model), state)) if self.rank == 0 else {}
 
     def _adapter_params(self) -> dict[str, torch.nn.Parameter]:
         return lora.adapter_params(self.model)
 
     def _from_hf(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return convert.from_hf(self.hf_config, hf_state)
+        return convert.from_hf(lora.base_model(self.model), hf_state)
 
     def export_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters as FSDP2 holds them: `Shard(0)` DTensors under HF names (the model is the
@@ -95,7 +95,15 @@ class FSDP2Backend(FullStateBackend):
             raise ValueError(
                 "train.lora: an adapter is pushed whole from rank 0, not as row shards (sync.transport p2p)"
             )
-        yield from convert.to_hf(self.hf_config, get_model_state_dict(self.model))
+        state = get_model_state_dict(self.model)
+        fused = convert.converted(self.model, state)
+        if fused:
+            raise ValueError(
+                f"sync.transport p2p: this model holds {len(fused)} tensors in another layout than its checkpoint "
+                f"(e.g. {fused[0]}: a mixture of experts' fused expert weights), which a row shard cannot be pushed "
+                "as; use sync.transport disk, shm or broadcast"
+            )
+        yield from convert.to_hf(self.model, state)
 
     def _state(self) -> TrainerState:
         return TrainerState(self.name, self.step, self.world_size)

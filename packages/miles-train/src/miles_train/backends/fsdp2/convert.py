@@ -1,15 +1,18 @@
 """HF ⇄ FSDP2: the FSDP2 backend trains the transformers model itself, so names and layouts are the HF
-checkpoint's; what remains is the model family check and the tied-head rule (miles_sync.naming)."""
+checkpoint's, but for the tied-head rule and the tensors transformers holds in another layout than it saves (a
+mixture of experts' fused expert weights): both through miles_sync.naming, the layout from transformers' own
+conversion (`revert_weight_conversion`, what `save_pretrained` applies)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from miles_sync import without_tied_head
+from miles_sync.naming import checkpoint_views
 from miles_train.backends.hf_io import with_tied_head
 
 
@@ -20,11 +23,39 @@ def load_hf_model(model_path: str | Path, device: torch.device) -> torch.nn.Modu
     return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(device)
 
 
-def to_hf(hf_config: Any, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors from the model's full state dict: a tied head is the embedding, sent once."""
-    yield from without_tied_head(state.items(), bool(getattr(hf_config, "tie_word_embeddings", False)))
+def checkpoint_layout(model: torch.nn.Module) -> Callable[[dict], dict]:
+    """Model-named tensors → checkpoint-named ones, as `save_pretrained` writes them (transformers' own conversion:
+    e.g. a mixture of experts' fused 3-D expert weights split per expert); the identity for most families."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return lambda tensors: revert_weight_conversion(model, tensors)
 
 
-def from_hf(hf_config: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's state dict from a checkpoint's tensors (a tied head named again)."""
-    return with_tied_head(hf_config, tensors)
+def to_hf(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors from the model's full state dict (views, under the checkpoint's names and shapes):
+    a tied head is the embedding, sent once."""
+    views = checkpoint_views(state, checkpoint_layout(model))
+    yield from without_tied_head(views.items(), bool(getattr(model.config, "tie_word_embeddings", False)))
+
+
+def converted(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """The model tensors whose checkpoint layout differs (split or renamed on export)."""
+    layout = checkpoint_layout(model)
+    return [name for name, t in state.items() if list(layout({name: torch.empty(t.shape, device="meta")})) != [name]]
+
+
+def from_hf(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's full state dict from a checkpoint's tensors (a tied head named again; converted tensors
+    assembled in the model's layout)."""
+    tensors = with_tied_head(model.config, tensors)
+    shapes = {name: t.shape for name, t in get_model_state_dict(model).items()}
+    if set(shapes) == set(tensors):
+        return tensors
+    state = {name: torch.empty(shape) for name, shape in shapes.items()}
+    views = checkpoint_views(state, checkpoint_layout(model))
+    missing = sorted(set(views) - set(tensors))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
+    for name, view in views.items():
+        view.copy_(tensors[name])
+    return state
