@@ -29,6 +29,9 @@ def to_train_batch(batch: RolloutBatch, staleness: list[int] | None = None) -> T
         rewards=[s.reward for s in samples],
         group_index=[s.group_index for s in samples],
         temperature=batch.sampling.logprob_temperature,
+        routed_experts=[s.routed_experts for s in samples]
+        if any(s.routed_experts is not None for s in samples)
+        else None,
     )
 
 

@@ -82,6 +82,9 @@ def run_steps(
                 rewards=[float(sum(out.output_ids) % 3 == 0) for out in results],
                 group_index=[int(r.request_id.split("-")[0]) for r in requests],
                 temperature=temperature,
+                routed_experts=[out.routed_experts for out in results]
+                if results[0].routed_experts is not None
+                else None,
             )
             metrics = backend.train_step(batch)
             trained = time.time()

@@ -64,6 +64,13 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     except ValueError as exc:
         raise JobCheckError(str(exc)) from None
     experts = next((f"{k}: {v}" for k in EXPERT_FIELDS if (v := getattr(hf_config, k, None))), None)
+    routed = getattr(spec.rollout.engine, "routed_experts", False)
+    if routed and not experts:
+        field = "train.routing_replay" if spec.train.routing_replay else "rollout.engine.routed_experts"
+        raise JobCheckError(
+            f"{field}: model {model_path} is not a mixture of experts (its config.json has none of "
+            f"{', '.join(EXPERT_FIELDS)}): there is no routing to return or replay"
+        )
     if experts and spec.sync.transport == "p2p":
         raise JobCheckError(
             f"sync.transport: p2p sends each trainer rank's rows of the model's own tensors, and this model "

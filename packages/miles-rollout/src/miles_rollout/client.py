@@ -33,6 +33,7 @@ def join_parts(parts: list[GenerateResult]) -> GenerateResult:
         finish_reason=parts[-1].finish_reason,
         weight_versions=versions,
         token_versions=[v for part in parts for v in part.versions_per_token()],
+        routed_experts=parts[-1].routed_experts,  # a continuation's input is every id before it: it covers them all
     )
 
 

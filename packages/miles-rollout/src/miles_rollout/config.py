@@ -100,6 +100,11 @@ class SGLangEngineConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0)
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     extra_args: list[str] = Field(default_factory=list, description="More `sglang.launch_server` flags.")
+    routed_experts: bool = Field(
+        False,
+        description="A mixture of experts: every sample carries the experts each token was routed to (the servers "
+        "start with --enable-return-routed-experts), for train.routing_replay and train/routing_agreement.",
+    )
     log_dir: str | None = Field(None, description="Server logs; a temporary folder when None.")
     max_requests_per_call: int = Field(
         64, gt=0, description="Requests per /generate call; each call goes to the server with the fewest in flight."

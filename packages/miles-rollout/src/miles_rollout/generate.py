@@ -69,6 +69,7 @@ async def single_turn(record: PromptRecord, client: EngineClient, sampling: Samp
         weight_versions=result.weight_versions,
         metadata=dict(record.metadata),
         token_versions=result.versions_per_token(),
+        routed_experts=result.routed_experts,
     )
 
 

@@ -51,6 +51,9 @@ class GenerateResult:
     finish_reason: FinishReason
     weight_versions: list[int]  # every version the request was generated under
     token_versions: list[int] = field(default_factory=list)  # the version each output id was generated under
+    # a mixture of experts, when the engine returns it: the experts each position of prompt + output (less the last
+    # id) was routed to, an int tensor [positions, layers × top_k]
+    routed_experts: Any = None
 
     def versions_per_token(self) -> list[int]:
         """`token_versions` when the engine gave one per output id, else its first version for every id (an
@@ -107,6 +110,9 @@ class Sample:
     # the weight version each response id was generated under (environment ids: the turn's before them); empty
     # when the generate function did not say, and then every id counts as `oldest_weight_version`
     token_versions: list[int] = field(default_factory=list)
+    # the engine's expert routing of prompt + response (GenerateResult.routed_experts): what train.routing_replay
+    # replays; None when the engine gave none
+    routed_experts: Any = None
 
     @property
     def oldest_weight_version(self) -> int:

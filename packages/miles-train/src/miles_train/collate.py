@@ -17,6 +17,9 @@ class Collated:
     targets: torch.Tensor  # [B, T-1]: the token each position predicts
     loss_mask: torch.Tensor  # [B, T-1]: 1 where the predicted token is a trained response token
     rollout_logprobs: torch.Tensor  # [B, T-1], 0 outside responses
+    # [B, T, layers × top_k]: the experts the engine routed each position to, −1 where it gave none (a mixture of
+    # experts whose engine returned its routing; else None)
+    routed_experts: torch.Tensor | None = None
 
 
 def collate(batch: TrainBatch, pad_token_id: int = 0) -> Collated:
@@ -33,7 +36,20 @@ def collate(batch: TrainBatch, pad_token_id: int = 0) -> Collated:
         stop = start - 1 + len(batch.loss_mask[i])
         loss_mask[i, start - 1 : stop] = torch.tensor(batch.loss_mask[i], dtype=torch.float32)
         rollout[i, start - 1 : stop] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
-    return Collated(input_ids, attention, input_ids[:, 1:], loss_mask, rollout)
+    return Collated(input_ids, attention, input_ids[:, 1:], loss_mask, rollout, _routed(batch, width))
+
+
+def _routed(batch: TrainBatch, width: int) -> torch.Tensor | None:
+    """The rows' routed experts laid out by position, [B, width, layers × top_k], −1 where a row has none."""
+    rows = batch.routed_experts
+    given = [r for r in rows or [] if r is not None]
+    if not given:
+        return None
+    out = torch.full((len(batch), width, given[0].shape[-1]), -1, dtype=torch.long)
+    for i, routed in enumerate(rows or []):
+        if routed is not None:
+            out[i, : routed.shape[0]] = torch.as_tensor(routed, dtype=torch.long)[:width]
+    return out
 
 
 def response_layout(batch: TrainBatch, values: list[list[float]], fill: float = 0.0) -> torch.Tensor:

@@ -320,6 +320,12 @@ class TrainConfig(_Strict):
         "sync.lora says whether a push "
         "sends the adapter or the merged weights. None: full fine-tuning.",
     )
+    routing_replay: bool = Field(
+        False,
+        description="A mixture of experts: the trainer's routers send each token to the experts the engine chose at "
+        "rollout (SGLang returns them), weighed with the trainer's own router probabilities. Off, the trainer "
+        "routes on its own; either way train/routing_agreement reports how often both chose the same experts.",
+    )
     policy_weights: Literal["auto", "master", "pushed"] = Field(
         "auto",
         description="The weights the trainer's forward passes use. pushed: the master weights rounded to the dtype "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -24,6 +25,10 @@ class TrainBatch:
     # per response token: trainer version − the engine version that token was generated under (partial rollouts);
     # None when every token of a row is as old as the row (`staleness` then says it)
     token_staleness: list[list[int]] | None = None
+    # per row: the experts the engine routed each position to, an int tensor [positions, layers × top_k] over the
+    # prompt and response less the last token (a mixture of experts: SGLang's `return_routed_experts`), or None for a
+    # row the engine gave none for (train.routing_replay then lets the trainer's router choose)
+    routed_experts: list[Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -69,4 +74,5 @@ class TrainBatch:
             temperature=self.temperature,
             staleness=None if self.staleness is None else [self.staleness[i] for i in rows],
             token_staleness=None if self.token_staleness is None else [self.token_staleness[i] for i in rows],
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in rows],
         )

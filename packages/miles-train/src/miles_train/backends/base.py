@@ -24,6 +24,7 @@ from miles_train.collate import Collated, collate, logprobs_from_logits, unpad_r
 from miles_train.config import TrainConfig
 from miles_train.loss import ObjectiveError
 from miles_train.objectives import build_objective
+from miles_train.routing import Agreement, engine_routing
 from miles_train.types import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class BackendCore:
         self.model: Any = None
         self.reference: Any = None
         self.critic: Any = None  # miles_train.critic.Critic, for an objective with needs_values (ppo)
+        self.routing_agreement = Agreement()  # a mixture of experts: the trainer's routing against the engine's
         self._teacher_identity: dict[str, str] = {}
         self.pad_token_id = 0
         self.step = 0
@@ -267,13 +269,19 @@ class BackendCore:
     def _token_logprobs(
         self, model: Any, c: Collated, temperature: float, with_entropy: bool = False, entropy_grad: bool = False
     ):
-        return logprobs_from_logits(self._logits(model, c), c, temperature, with_entropy, entropy_grad)
+        if model is self.model:  # the policy: its routers meet the engine's routing (miles_train.routing)
+            with engine_routing(model, c.routed_experts, self.config.routing_replay, self.routing_agreement):
+                logits = self._logits(model, c)
+        else:
+            logits = self._logits(model, c)
+        return logprobs_from_logits(logits, c, temperature, with_entropy, entropy_grad)
 
     def _collate(self, batch: TrainBatch) -> Collated:
         c = collate(batch, self.pad_token_id)
         if self.device.type != "cpu":
             for field_name, value in vars(c).items():
-                setattr(c, field_name, value.to(self.device))
+                if value is not None:
+                    setattr(c, field_name, value.to(self.device))
         return c
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:

@@ -124,6 +124,7 @@ class TrainerBase(BackendCore):
         sample_weights = staleness_weights(ages, settings.staleness, settings.staleness_decay, settings.drop_older_than)
         token_weights = self._token_weights(batch, sample_weights)
         grad_norms = []
+        self.routing_agreement.reset()
         # The ratio's denominator is the policy the engines ran: the weights as pushed, whatever the forward uses.
         old_logprobs = self._padded_logprobs(batch, as_pushed=True) if self._recompute_old else None
         self._frozen_kl = None
@@ -182,6 +183,10 @@ class TrainerBase(BackendCore):
         if batch.token_staleness is not None:  # partial rollouts: the weight of the tokens, each by its own age
             metrics["train/token_weight_mean"] = float((token_weights * full_mask).sum() / full_mask.sum().clamp(min=1))
         metrics["train/logprob_diff_p99"] = self._quantile(self._diffs, 0.99)
+        if batch.routed_experts is not None:  # every rank has the field: the engine's routing came with the batch
+            same, total = self._all_reduce([self.routing_agreement.same, self.routing_agreement.total])
+            if total:
+                metrics["train/routing_agreement"] = same / total
         if self.config.precision == "fp16":
             metrics["train/overflow_skipped"] = float(self.overflow_skips - skips)
         if before is not None:

@@ -4,9 +4,11 @@ elsewhere when its server fails or is quarantined while it runs."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 
 import httpx
+import torch
 
 from miles_rollout.config import SGLangEngineConfig
 from miles_rollout.engines.checks import group_by_sampling
@@ -87,10 +89,14 @@ class Dispatcher:
                 return [GenerateResult(r.request_id, [], [], FinishReason.ABORT, []) for r in requests]
             try:
                 if self.adapters is None:
-                    results = await self._generate_on(client, slot, sampling, requests)
+                    results = await self._generate_on(
+                        client, slot, sampling, requests, routed=self.config.routed_experts
+                    )
                 else:
                     with self.adapters.checkout() as (name, version):
-                        results = await self._generate_on(client, slot, sampling, requests, name, version)
+                        results = await self._generate_on(
+                            client, slot, sampling, requests, name, version, routed=self.config.routed_experts
+                        )
                 slot.served += 1
                 slot.answered_at = time.monotonic()
                 return results
@@ -139,9 +145,11 @@ class Dispatcher:
         requests: list[GenerateRequest],
         adapter: str | None = None,
         adapter_version: int | None = None,
+        routed: bool = False,
     ) -> list[GenerateResult]:
         """One `/generate` call. With `adapter` (its version `adapter_version`), every request runs under that LoRA
-        adapter, so every token is of that version whatever the servers' own weight version says."""
+        adapter, so every token is of that version whatever the servers' own weight version says. With `routed`,
+        each result carries the experts every position was routed to (a mixture of experts)."""
         body: dict = {
             "input_ids": [r.input_ids for r in requests],
             "sampling_params": {
@@ -156,6 +164,8 @@ class Dispatcher:
         }
         if adapter is not None:
             body["lora_path"] = [adapter] * len(requests)
+        if routed:
+            body["return_routed_experts"] = True
         call = asyncio.ensure_future(client.post(f"{slot.url}/generate", json=body))
         while not call.done():
             await asyncio.wait({call}, timeout=0.2)
@@ -182,6 +192,25 @@ class Dispatcher:
                     finish_reason=_FINISH[meta["finish_reason"]["type"]],
                     weight_versions=versions or [_version_number(meta.get("weight_version"))],
                     token_versions=_token_versions(spans, len(out["output_ids"])),
+                    routed_experts=_routed_experts(meta, len(request.input_ids) + len(out["output_ids"]))
+                    if routed
+                    else None,
                 )
             )
         return results
+
+
+def _routed_experts(meta: dict, num_tokens: int) -> torch.Tensor:
+    """SGLang's `routed_experts` (base64 of int32 [positions, layers, top_k] over every token but the last) as an
+    int16 tensor [positions, layers × top_k] (the trainer's routers know top_k); ValueError when the server returned none (started without --enable-return-routed-experts)."""
+    encoded = meta.get("routed_experts")
+    if not encoded:
+        raise ValueError(
+            "sglang engine: the server returned no routed experts (rollout.engine.routed_experts needs a mixture of "
+            "experts model and the server flag --enable-return-routed-experts, which miles adds)"
+        )
+    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+    positions = max(num_tokens - 1, 1)
+    if flat.numel() % positions:
+        raise ValueError(f"sglang engine: {flat.numel()} routed experts do not divide over {positions} positions")
+    return flat.view(positions, -1).to(torch.int16)

@@ -112,6 +112,8 @@ def server_command(
     elif gpu_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         args += ["--base-gpu-id", "0"]  # --tp-size / --dp-size come from rollout.engine.extra_args
+    if config.routed_experts:
+        args.append("--enable-return-routed-experts")
     return args + list(config.extra_args), env
 
 

@@ -50,6 +50,23 @@ def _without_pinned_memory() -> None:
     for factory in (*factories, torch.empty_like, torch.zeros_like, torch.ones_like):
         setattr(torch, factory.__name__, unpinned(factory))
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    # The same for host buffers SGLang registers with the CUDA runtime itself (`cudaHostRegister`: the host cache of
+    # `--enable-return-routed-experts`): with no driver, the runtime below is a stand-in that registers nothing and
+    # reports success, so those buffers are plain host memory.
+    torch.cuda.cudart = lambda: _NoCudaRuntime()  # type: ignore[assignment]
+
+
+class _NoCudaRuntime:
+    """What SGLang's host-memory registration calls of the CUDA runtime, on a machine without one (a stand-in)."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - the CUDA runtime's name
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        return 0
+
+    def cudaGetErrorString(self, rc: int) -> str:  # noqa: N802
+        return "no CUDA runtime (miles CPU shim)"
 
 
 _without_pinned_memory()

@@ -1,0 +1,110 @@
+"""Rollout routing replay (`train.routing_replay`) and the routing agreement between engine and trainer.
+
+A mixture of experts routes each token to its top-k experts. The engine's router and the trainer's see the same
+weights but not the same arithmetic (another kernel, bf16 rounding, another batch), and a near-tie between two
+experts' scores can fall either way: the token then goes through other experts in the trainer than at rollout, the
+largest source of train/inference mismatch in MoE RL. The engine returns the experts it chose for every position
+(SGLang's `return_routed_experts`); with `routing_replay` the trainer's routers take those experts, and weigh them
+with their own (differentiable) probabilities, so the router still learns. Either way the trainer counts how often
+its own top-k agrees with the engine's (`train/routing_agreement`).
+
+The routers are transformers' top-k router modules (`<Family>TopKRouter`: `weight`, `top_k`, `norm_topk_prob`;
+forward → router logits, the chosen experts' weights, their indices), found by module name `…layers.<i>…`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The model's top-k routers by layer index (empty for a dense model)."""
+    found = {}
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            match = _LAYER.search(name)
+            if match is None or not all(hasattr(module, a) for a in ("weight", "top_k", "norm_topk_prob")):
+                raise ValueError(f"routing replay: router {name} ({type(module).__name__}) is not a top-k router")
+            found[int(match.group(1))] = module
+    return found
+
+
+class Agreement:
+    """Positions × layers where the trainer's own top-k equals the engine's, and how many were compared."""
+
+    def __init__(self) -> None:
+        self.same = 0.0
+        self.total = 0.0
+
+    def reset(self) -> None:
+        self.same = self.total = 0.0
+
+    @property
+    def value(self) -> float | None:
+        return self.same / self.total if self.total else None
+
+
+@contextlib.contextmanager
+def engine_routing(
+    model: torch.nn.Module, routed: torch.Tensor | None, replay: bool, agreement: Agreement
+) -> Iterator[None]:
+    """Within the block, every router of `model` compares its top-k with the engine's (`routed`: [B, T, layers ×
+    top_k], −1 where the engine gave none) and, with `replay`, routes each position to the engine's experts. Without
+    `routed` (a dense model, or an engine that returned no routing) nothing changes."""
+    found = routers(model) if routed is not None else {}
+    if not found:
+        yield
+        return
+    assert routed is not None
+    top_k = next(iter(found.values())).top_k
+    routed = routed.view(*routed.shape[:2], -1, top_k)  # [B, T, layers, top_k]
+    patched = []
+    for layer, module in found.items():
+        if layer >= routed.shape[2]:
+            raise ValueError(f"routing replay: the engine's routing has {routed.shape[2]} layers, the model's router "
+                             f"of layer {layer} has none")  # fmt: skip
+        patched.append((module, vars(module).get("forward")))  # an instance's own forward (hooks), if any
+        module.forward = types.MethodType(_replaying(routed[:, :, layer], replay, agreement), module)
+    try:
+        yield
+    finally:
+        for module, own in patched:
+            if own is None:
+                del module.forward  # the class's forward again
+            else:
+                module.forward = own
+
+
+def _replaying(engine: torch.Tensor, replay: bool, agreement: Agreement) -> Any:
+    """A router forward that weighs the engine's experts (`engine`: [B, T, top_k]) where it chose some."""
+
+    def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden = hidden_states.reshape(-1, self.weight.shape[-1])
+        logits = F.linear(hidden, self.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        _, own = torch.topk(probs, self.top_k, dim=-1)
+        theirs = engine.reshape(-1, engine.shape[-1]).to(own.device)
+        if theirs.shape[0] != own.shape[0] or theirs.shape[1] != own.shape[1]:
+            raise ValueError(f"routing replay: the engine's routing is {tuple(theirs.shape)} for {tuple(own.shape)} "
+                             "positions × experts")  # fmt: skip
+        given = (theirs >= 0).all(dim=-1)
+        with torch.no_grad():
+            same = (own.sort(dim=-1).values == theirs.sort(dim=-1).values).all(dim=-1) & given
+            agreement.same += float(same.sum())
+            agreement.total += float(given.sum())
+        chosen = torch.where(given[:, None], theirs, own) if replay else own
+        weights = probs.gather(-1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), chosen
+
+    return forward
