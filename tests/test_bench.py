@@ -31,6 +31,7 @@ def run_bench(script: str, tmp_path: Path, needs_sglang: bool = True) -> str:
     return out.read_text()
 
 
+@pytest.mark.extended  # a measurement for the docs; SGLang and the hf engine generate in many default-tier jobs
 @pytest.mark.sglang
 def test_rollout_throughput_bench_reports_both_ratios(tmp_path):
     report = run_bench("rollout_throughput.py", tmp_path)
