@@ -1,15 +1,15 @@
 """Rollout routing replay on a mixture of experts: routing agreement and the trainer–engine logprob difference,
 with the trainer's own routing and with the engine's replayed (`train.routing_replay`).
 
-A tiny random Qwen3-MoE (tests/model_matrix.py's: 4 experts, top 2, 2 layers, the arithmetic character vocabulary)
-in each dtype, served by one SGLang server that returns its routing (`rollout.engine.routed_experts`), trained by
+A tiny random Qwen3-MoE or Mixtral (tests/model_matrix.py's: 4 experts, top 2, 2 layers, the arithmetic character
+vocabulary) in each dtype, served by one SGLang server that returns its routing (`rollout.engine.routed_experts`), trained by
 fsdp2 on one rank in this process (`miles_control.inprocess.run_steps`): `--steps` GRPO steps with replay off, the
 engine reset to the checkpoint, then the same with replay on. Reported per step: `train/routing_agreement` (the
 share of position × layer pairs whose top-k the trainer and the engine agree on), and the mean and p99 of
 |trainer − engine| logprob per token.
 
     python bench/routing_replay.py            # bf16 and fp32, 4 steps each
-    python bench/routing_replay.py --dtypes bfloat16 --steps 2
+    python bench/routing_replay.py --families mixtral --dtypes bfloat16 --steps 2
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated checkpoint dtypes")
+    parser.add_argument("--families", default="qwen3_moe", help="comma-separated: qwen3_moe, mixtral")
     parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
     args = parser.parse_args()
 
@@ -40,8 +41,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="miles-routing-"))
     rows = []
-    for dtype in args.dtypes.split(","):
-        model = build_model("qwen3_moe", dtype, work / f"qwen3_moe-{dtype}")
+    for family, dtype in [(f, d) for f in args.families.split(",") for d in args.dtypes.split(",")]:
+        model = build_model(family, dtype, work / f"{family}-{dtype}")
         config = SGLangEngineConfig(
             type="sglang", max_total_tokens=4096, log_dir=str(work / "logs"), routed_experts=True
         )
@@ -54,7 +55,7 @@ def main() -> None:
                 for step, metrics in enumerate(steps, start=1):
                     assert metrics["weights_match"], f"{dtype} step {step}: the engine holds other weights"
                     rows.append([
-                        dtype, "on" if replay else "off", step, f"{metrics['train/routing_agreement']:.4f}",
+                        family, dtype, "on" if replay else "off", step, f"{metrics['train/routing_agreement']:.4f}",
                         f"{metrics['train/logprob_diff']:.2e}", f"{metrics['train/logprob_diff_p99']:.2e}",
                     ])  # fmt: skip
         finally:
@@ -64,10 +65,10 @@ def main() -> None:
         "",
         machine(),
         "",
-        f"Tiny Qwen3-MoE (4 experts, top 2, 2 layers), SGLang on this machine, fsdp2 one rank, 16 prompts × 4 "
+        f"Tiny mixtures of experts (4 experts, top 2, 2 layers), SGLang on this machine, fsdp2 one rank, 16 prompts × 4 "
         f"samples per step, {args.steps} steps with replay off, then on (the engine reset to the checkpoint).",
         "",
-        table(["dtype", "replay", "step", "routing agreement", "mean |Δ logprob|", "p99 |Δ logprob|"], rows),
+        table(["family", "dtype", "replay", "step", "routing agreement", "mean |Δ logprob|", "p99 |Δ logprob|"], rows),
         "",
     ]
     if args.out is not None:

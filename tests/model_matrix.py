@@ -24,7 +24,7 @@ import torch
 # The families users bring, as miles_control.tiny_models shapes them (vocabulary: the arithmetic character
 # tokenizer's, since SGLang needs a tokenizer in the folder); megatron and torchtitan refuse llama3.2's RoPE scaling
 # and the layers that differ from Llama's (Phi-3's fused checkpoint projections, OLMo-2's norms).
-FAMILIES = ("qwen2.5", "llama3", "llama3.2", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe")
+FAMILIES = ("qwen2.5", "llama3", "llama3.2", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral")
 # What the rebuilt models of megatron and torchtitan do not cover, and the config.json field their refusal names
 # (everything else is expected to run).
 REFUSED = {
@@ -36,6 +36,8 @@ REFUSED = {
     ("olmo2", "torchtitan"): "model_type: 'olmo2'",
     ("qwen3_moe", "megatron"): "model_type: 'qwen3_moe'",
     ("qwen3_moe", "torchtitan"): "model_type: 'qwen3_moe'",
+    ("mixtral", "megatron"): "model_type: 'mixtral'",
+    ("mixtral", "torchtitan"): "model_type: 'mixtral'",
 }
 # The table docs/real-models.md shows, one row per family: what sets it apart
 TITLES = {
@@ -47,6 +49,7 @@ TITLES = {
     "phi3": "Phi-3 (`qkv_proj` and `gate_up_proj` fused in the checkpoint)",
     "olmo2": "OLMo-2 (norms after attention and MLP, q/k RMSNorm over all heads)",
     "qwen3_moe": "Qwen3-MoE (every MLP a mixture of experts, top-k routing)",
+    "mixtral": "Mixtral (Llama's attention, `block_sparse_moe` experts w1/w3/w2)",
 }
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("fsdp2", "megatron", "torchtitan")

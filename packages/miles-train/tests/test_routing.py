@@ -12,10 +12,10 @@ from miles_train.routing import Agreement, engine_routing, routers
 from miles_train.types import TrainBatch
 
 
-@pytest.fixture(scope="module")
-def moe():
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe(request):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_model("qwen3_moe", vocab_size=19)).eval()
+    return AutoModelForCausalLM.from_config(tiny_model(request.param, vocab_size=19)).eval()
 
 
 def own_routing(model, ids: torch.Tensor) -> torch.Tensor:

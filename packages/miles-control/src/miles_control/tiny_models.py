@@ -84,6 +84,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [],
         },
     ),
+    # Mixtral (8x7B): Llama's attention, every MLP a mixture of experts (`block_sparse_moe`, w1/w3/w2 per expert in
+    # the checkpoint, top-2 renormalised), untied head, no sliding window
+    "mixtral": (
+        "MixtralConfig",
+        {"tie_word_embeddings": False, "sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
     # a family no backend rebuilds and SGLang's weight check does not know
     "gpt2": ("GPT2Config", {}),
 }

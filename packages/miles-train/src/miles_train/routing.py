@@ -8,8 +8,9 @@ largest source of train/inference mismatch in MoE RL. The engine returns the exp
 with their own (differentiable) probabilities, so the router still learns. Either way the trainer counts how often
 its own top-k agrees with the engine's (`train/routing_agreement`).
 
-The routers are transformers' top-k router modules (`<Family>TopKRouter`: `weight`, `top_k`, `norm_topk_prob`;
-forward → router logits, the chosen experts' weights, their indices), found by module name `…layers.<i>…`.
+The routers are transformers' top-k router modules (`<Family>TopKRouter`: `weight`, `top_k`, `norm_topk_prob`, or
+Mixtral's, which always renormalises; forward → router logits, the chosen experts' weights, their indices), found by
+module name `…layers.<i>…`.
 """
 
 from __future__ import annotations
@@ -26,14 +27,20 @@ import torch.nn.functional as F
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+# Routers that always renormalise the chosen experts' probabilities (the others say so in `norm_topk_prob`)
+_RENORMALISING = ("MixtralTopKRouter",)
+
+
 def routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """The model's top-k routers by layer index (empty for a dense model)."""
     found = {}
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("TopKRouter"):
+        kind = type(module).__name__
+        if kind.endswith("TopKRouter"):
             match = _LAYER.search(name)
-            if match is None or not all(hasattr(module, a) for a in ("weight", "top_k", "norm_topk_prob")):
-                raise ValueError(f"routing replay: router {name} ({type(module).__name__}) is not a top-k router")
+            known = hasattr(module, "norm_topk_prob") or kind in _RENORMALISING
+            if match is None or not known or not all(hasattr(module, a) for a in ("weight", "top_k")):
+                raise ValueError(f"routing replay: router {name} ({kind}) is not a top-k router miles knows")
             found[int(match.group(1))] = module
     return found
 
@@ -103,7 +110,7 @@ def _replaying(engine: torch.Tensor, replay: bool, agreement: Agreement) -> Any:
             agreement.total += float(given.sum())
         chosen = torch.where(given[:, None], theirs, own) if replay else own
         weights = probs.gather(-1, chosen)
-        if self.norm_topk_prob:
+        if getattr(self, "norm_topk_prob", True):  # the Mixtral router always renormalises
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), chosen
 

@@ -17,8 +17,8 @@ import torch
 
 # config.json model_type values whose layout this module computes: Mistral's is Llama's; Phi-3's checkpoint holds
 # qkv_proj and gate_up_proj already fused, as SGLang does; OLMo-2 adds its q/k and post-layer norms under their names;
-# Qwen3-MoE's experts are stacked (below)
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe")
+# Qwen3-MoE's and Mixtral's experts are stacked (below)
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral")
 
 _FUSED = [
     (re.compile(r"^(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$"), "qkv_proj", ("q", "k", "v")),
@@ -28,8 +28,10 @@ _FUSED = [
 
 # A mixture of experts: SGLang's FusedMoE holds every expert of a layer in two stacked tensors, `w13_weight`
 # [experts, 2 × moe_intermediate, hidden] (each expert's gate then up projection) and `w2_weight` [experts, hidden,
-# moe_intermediate] (its down projection); the router stays `mlp.gate.weight`.
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# moe_intermediate] (its down projection); the router stays `mlp.gate.weight`. Mixtral's checkpoint names the
+# projections w1 (gate), w3 (up) and w2 (down), under `block_sparse_moe`.
+_EXPERT = re.compile(r"^(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PROJECTION = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
 def _stack_experts(experts: dict[str, dict[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
@@ -76,7 +78,8 @@ def expected_checksums(
             tensor = tensor.to(dtype)
         expert = _EXPERT.match(name)
         if expert:
-            experts.setdefault(expert.group(1), {}).setdefault(int(expert.group(2)), {})[expert.group(3)] = tensor
+            projection = _PROJECTION[expert.group(3)]
+            experts.setdefault(expert.group(1), {}).setdefault(int(expert.group(2)), {})[projection] = tensor
             continue
         for pattern, fused, members in _FUSED:
             match = pattern.match(name)
