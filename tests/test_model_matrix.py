@@ -63,7 +63,15 @@ def matrix(tmp_path_factory, request):
 # OLMo-2's q/k norms (OLMo-2's two norms are after attention and MLP: as many), Phi-3's fused qkv and gate_up;
 # Qwen3-MoE: q/k norms, the router, and 4 experts × (gate, up, down) in place of one MLP (the checkpoint's per-expert
 # tensors, which transformers holds fused: every push and check counts them as the checkpoint does).
-EXTRA_PER_LAYER = {"qwen2": 3, "qwen2.5": 3, "qwen3": 2, "olmo2": 2, "phi3": -3, "qwen3_moe": 2 + 1 + 4 * 3 - 3, "mixtral": 1 + 4 * 3 - 3}
+EXTRA_PER_LAYER = {
+    "qwen2": 3,
+    "qwen2.5": 3,
+    "qwen3": 2,
+    "olmo2": 2,
+    "phi3": -3,
+    "qwen3_moe": 2 + 1 + 4 * 3 - 3,
+    "mixtral": 1 + 4 * 3 - 3,
+}
 
 
 def checkpoint_tensors(family: str) -> int:

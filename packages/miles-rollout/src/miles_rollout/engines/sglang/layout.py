@@ -30,7 +30,9 @@ _FUSED = [
 # [experts, 2 × moe_intermediate, hidden] (each expert's gate then up projection) and `w2_weight` [experts, hidden,
 # moe_intermediate] (its down projection); the router stays `mlp.gate.weight`. Mixtral's checkpoint names the
 # projections w1 (gate), w3 (up) and w2 (down), under `block_sparse_moe`.
-_EXPERT = re.compile(r"^(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT = re.compile(
+    r"^(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
 _PROJECTION = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
