@@ -63,18 +63,22 @@ def lora_param_name(wire: str) -> str:
 # A push carries the checkpoint's names and shapes (what SGLang loads, what every backend converts from), so a
 # trainer exporting such a model and an engine holding one both need, for every checkpoint tensor, where it lies in
 # the model's own tensors.
-def checkpoint_views(named: dict[str, torch.Tensor], revert: Callable[[dict], dict]) -> dict[str, torch.Tensor]:
+def checkpoint_views(
+    named: dict[str, torch.Tensor], revert: Callable[[dict], dict], kept: set[str] | None = None
+) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor of a model as a view into the model's own tensors `named` (its parameters, or a full
     state dict), by checkpoint name. `revert` maps model-named tensors to checkpoint-named ones (transformers'
     `revert_weight_conversion(model, ·)`, what `save_pretrained` applies); it is run on index tensors, one model
     tensor at a time, so the views are exact whatever the conversion (split, unbind, concatenate) and no weight is
     copied. Writing into a view writes the model's tensor. A model tensor that maps to itself is returned as is.
+    `kept`: the names the conversion leaves as they are (`unconverted`), when the caller knows them already.
     ValueError names a checkpoint tensor that is not one contiguous block of one model tensor."""
     views: dict[str, torch.Tensor] = {}
+    if kept is None:
+        kept = unconverted(named, revert)
     for name, tensor in named.items():
-        meta = revert({name: torch.empty(tensor.shape, device="meta")})
-        if list(meta) == [name]:  # not converted: the same tensor under the same name
-            views[name] = tensor
+        if name in kept:
+            views[name] = tensor  # not converted: the same tensor under the same name
             continue
         if not tensor.is_contiguous():
             raise ValueError(f"{name}: a converted model tensor must be contiguous to be viewed by checkpoint name")
@@ -92,3 +96,8 @@ def checkpoint_views(named: dict[str, torch.Tensor], revert: Callable[[dict], di
                 )
             views[wire] = flat[start : start + positions.numel()].view(where.shape)
     return views
+
+
+def unconverted(named: dict[str, torch.Tensor], revert: Callable[[dict], dict]) -> set[str]:
+    """The names `revert` leaves as they are: one pass over shapes alone (meta tensors), no data touched."""
+    return set(revert({name: torch.empty(t.shape, device="meta") for name, t in named.items()})) & set(named)

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from miles_sync import without_tied_head
-from miles_sync.naming import checkpoint_views
+from miles_sync.naming import checkpoint_views, unconverted
 from miles_train.backends.hf_io import with_tied_head
 
 
@@ -34,14 +34,25 @@ def checkpoint_layout(model: torch.nn.Module) -> Callable[[dict], dict]:
 def to_hf(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors from the model's full state dict (views, under the checkpoint's names and shapes):
     a tied head is the embedding, sent once."""
-    views = checkpoint_views(state, checkpoint_layout(model))
+    views = checkpoint_views(state, checkpoint_layout(model), _kept(model, state))
     yield from without_tied_head(views.items(), bool(getattr(model.config, "tie_word_embeddings", False)))
 
 
 def converted(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
     """The model tensors whose checkpoint layout differs (split or renamed on export)."""
-    layout = checkpoint_layout(model)
-    return [name for name, t in state.items() if list(layout({name: torch.empty(t.shape, device="meta")})) != [name]]
+    kept = _kept(model, state)
+    return [name for name in state if name not in kept]
+
+
+def _kept(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> set[str]:
+    """The state's names that the checkpoint holds as they are, worked out once per model and set of names (every
+    push asks again)."""
+    key = tuple(state)
+    cached = getattr(model, "_miles_unconverted", None)
+    if cached is None or cached[0] != key:
+        cached = (key, unconverted(state, checkpoint_layout(model)))
+        model._miles_unconverted = cached  # type: ignore[assignment]  # a plain attribute: not a parameter or buffer
+    return cached[1]
 
 
 def from_hf(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
