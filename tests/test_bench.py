@@ -42,6 +42,7 @@ def test_rollout_throughput_bench_reports_both_ratios(tmp_path):
     assert re.search(r"sglang engine / hf engine .*\*\*\d+\.\d+\*\*", report)
 
 
+@pytest.mark.extended  # a measurement; every transport is tested in miles-sync's tests and runs in default-tier jobs
 @pytest.mark.sglang
 def test_weight_update_bench_covers_every_transport(tmp_path):
     report = run_bench("weight_update.py", tmp_path)

@@ -37,6 +37,7 @@ def series(store: Store, name: str) -> dict[int, float]:
     return dict(store.metric_series(1, name))
 
 
+@pytest.mark.extended  # two identical jobs: a repeat by nature (the default tier runs sync jobs in many tests)
 def test_sync_is_deterministic_under_a_seed(tmp_path):
     runs = [run(tmp_path / str(i), "rollout.engine.type=hf", "schedule.num_steps=3") for i in range(2)]
     assert [r.job(1).status for r in runs] == ["succeeded", "succeeded"], [r.job(1).error for r in runs]
