@@ -202,7 +202,8 @@ class Dispatcher:
 
 def _routed_experts(meta: dict, num_tokens: int) -> torch.Tensor:
     """SGLang's `routed_experts` (base64 of int32 [positions, layers, top_k] over every token but the last) as an
-    int16 tensor [positions, layers × top_k] (the trainer's routers know top_k); ValueError when the server returned none (started without --enable-return-routed-experts)."""
+    int16 tensor [positions, layers × top_k] (the trainer's routers know top_k); ValueError when the server returned
+    none (started without --enable-return-routed-experts)."""
     encoded = meta.get("routed_experts")
     if not encoded:
         raise ValueError(
