@@ -3,13 +3,14 @@ with the trainer's own routing and with the engine's replayed (`train.routing_re
 
 A tiny random Qwen3-MoE or Mixtral (tests/model_matrix.py's: 4 experts, top 2, 2 layers, the arithmetic character
 vocabulary) in each dtype, served by one SGLang server that returns its routing (`rollout.engine.routed_experts`), trained by
-fsdp2 on one rank in this process (`miles_control.inprocess.run_steps`): `--steps` GRPO steps with replay off, the
-engine reset to the checkpoint, then the same with replay on. Reported per step: `train/routing_agreement` (the
+each of `--backends` (fsdp2: transformers' MoE modules; megatron: megatron-core's MoE layer) on one rank in this
+process (`miles_control.inprocess.run_steps`): `--steps` GRPO steps with replay off, the engine reset to the
+checkpoint, then the same with replay on. Reported per step: `train/routing_agreement` (the
 share of position × layer pairs whose top-k the trainer and the engine agree on), and the mean and p99 of
 |trainer − engine| logprob per token.
 
     python bench/routing_replay.py            # bf16 and fp32, 4 steps each
-    python bench/routing_replay.py --families mixtral --dtypes bfloat16 --steps 2
+    python bench/routing_replay.py --families mixtral --dtypes bfloat16 --steps 2 --backends megatron
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated checkpoint dtypes")
     parser.add_argument("--families", default="qwen3_moe", help="comma-separated: qwen3_moe, mixtral")
+    parser.add_argument("--backends", default="fsdp2,megatron", help="comma-separated: fsdp2, megatron")
     parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
     args = parser.parse_args()
 
@@ -48,16 +50,18 @@ def main() -> None:
         )
         engine = build_engine(config, model, seed=0)
         try:
-            for replay in (False, True):
-                reset_engine(engine, model, dtype, work / "reset")
-                train = {"backend": "fsdp2", "optimizer": {"lr": 1e-3}, "routing_replay": replay}
-                steps = run_steps(engine, model, dtype, train, TOY_PROMPTS * 4, num_steps=args.steps)
-                for step, metrics in enumerate(steps, start=1):
-                    assert metrics["weights_match"], f"{dtype} step {step}: the engine holds other weights"
-                    rows.append([
-                        family, dtype, "on" if replay else "off", step, f"{metrics['train/routing_agreement']:.4f}",
-                        f"{metrics['train/logprob_diff']:.2e}", f"{metrics['train/logprob_diff_p99']:.2e}",
-                    ])  # fmt: skip
+            for backend in args.backends.split(","):
+                for replay in (False, True):
+                    reset_engine(engine, model, dtype, work / "reset")
+                    train = {"backend": backend, "optimizer": {"lr": 1e-3}, "routing_replay": replay}
+                    steps = run_steps(engine, model, dtype, train, TOY_PROMPTS * 4, num_steps=args.steps)
+                    for step, metrics in enumerate(steps, start=1):
+                        assert metrics["weights_match"], f"{dtype} step {step}: the engine holds other weights"
+                        rows.append([
+                            family, dtype, backend, "on" if replay else "off", step,
+                            f"{metrics['train/routing_agreement']:.4f}", f"{metrics['train/logprob_diff']:.2e}",
+                            f"{metrics['train/logprob_diff_p99']:.2e}",
+                        ])  # fmt: skip
         finally:
             engine.shutdown()
     report = [
@@ -65,10 +69,22 @@ def main() -> None:
         "",
         machine(),
         "",
-        f"Tiny mixtures of experts (4 experts, top 2, 2 layers), SGLang on this machine, fsdp2 one rank, 16 prompts × 4 "
+        f"Tiny mixtures of experts (4 experts, top 2, 2 layers), SGLang on this machine, each backend on one rank, 16 prompts × 4 "
         f"samples per step, {args.steps} steps with replay off, then on (the engine reset to the checkpoint).",
         "",
-        table(["family", "dtype", "replay", "step", "routing agreement", "mean |Δ logprob|", "p99 |Δ logprob|"], rows),
+        table(
+            [
+                "family",
+                "dtype",
+                "backend",
+                "replay",
+                "step",
+                "routing agreement",
+                "mean |Δ logprob|",
+                "p99 |Δ logprob|",
+            ],
+            rows,
+        ),
         "",
     ]
     if args.out is not None:

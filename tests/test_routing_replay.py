@@ -1,6 +1,7 @@
 """Rollout routing replay on a mixture of experts (issue 41): SGLang returns the experts each token was routed to,
 the samples carry them to the trainer, and with `train.routing_replay` the trainer's routers take them; the job
-reports how often the trainer's own routing agreed with the engine's (`train/routing_agreement`)."""
+reports how often the trainer's own routing agreed with the engine's (`train/routing_agreement`). The job runs on
+megatron with its experts split over two ranks (expert parallel), and on fsdp2."""
 
 import subprocess
 import sys
@@ -35,9 +36,18 @@ def test_replay_on_a_dense_model_is_refused_before_the_job_starts(tmp_path):
         check_job(spec, dense)
 
 
+# megatron with the experts over two ranks in the default tier; fsdp2 (transformers' own MoE modules, whose
+# replay the unit tests in packages/miles-train/tests/test_routing.py cover) as a repeat in the extended tier
+BACKENDS = [
+    pytest.param("{type: megatron, world_size: 2, expert_parallel_size: 2}", id="megatron-ep2"),
+    pytest.param("fsdp2", id="fsdp2", marks=pytest.mark.extended),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.sglang
-def test_a_job_replays_sglangs_routing_in_the_trainer(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_job_replays_sglangs_routing_in_the_trainer(backend, tmp_path):
     pytest.importorskip("sglang", reason="SGLang is not installed")
     from miles_control.store import Store
 
@@ -47,7 +57,7 @@ def test_a_job_replays_sglangs_routing_in_the_trainer(tmp_path):
     for o in (
         f"store.url={url}", f"output_dir={tmp_path}/runs", f"model={{source: path, path: {model}}}",
         "rollout.engine.type=sglang", "train.routing_replay=true", "schedule.num_steps=2",
-        "rollout.num_prompts_per_step=16", "rollout.eval.every_steps=0",
+        "rollout.num_prompts_per_step=16", "rollout.eval.every_steps=0", f"train.backend={backend}",
     ):  # fmt: skip
         args += ["--set", o]
     done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=tmp_path)

@@ -2,8 +2,9 @@
 
 usage: python backend_rank.py MODEL_DIR RANK WORLD_SIZE PORT OUT_FILE CKPT_DIR [VARIANT] [offpolicy]
 
-VARIANT names the backend, its layout and its precision: `fsdp2`, `megatron`, `megatron-tp2`, `torchtitan`,
-`torchtitan-tp2` (without `-tp2` every rank is data parallel), each optionally ending in `-bf16` or `-fp16`
+VARIANT names the backend, its layout and its precision: `fsdp2`, `megatron`, `megatron-tp2`, `megatron-ep2` (a
+mixture of experts' experts over two ranks), `torchtitan`, `torchtitan-tp2` (without `-tp2` every rank is data
+parallel), each optionally ending in `-bf16` or `-fp16`
 (train.precision).
 
 `offpolicy` turns on truncated importance sampling (cap 1.5) and staleness decay (0.5 per version),
@@ -14,7 +15,8 @@ with staleness 0, 1, 2 within each group (`offpolicy-partial`: each token its ow
 off-policy batch.
 `json:{...}` takes one step with train.algorithm, its shared loss settings and the learning rate from the JSON
 (`{"algorithm": {...}, "settings": {...}, "lr": 1e-12, "teacher": DIR, "critic": {...}, "batch": "offpolicy",
-"expect_error": true, "resume": true}`); an expected error is recorded with the weights after it instead of failing
+"expect_error": true, "resume": true, "routed": FILE, "replay": true}`; `routed`: the engine's routing of each row,
+recorded with the logprobs before the step); an expected error is recorded with the weights after it instead of failing
 the rank; `resume` runs the whole sequence below (step, save, step, load, step) instead of one step.
 """
 
@@ -79,7 +81,10 @@ def backend_config(variant: str, world_size: int) -> tuple[dict, str]:
     precision = next((o for o in options if o in PRECISIONS), "fp32")
     if kind == "fsdp2":
         return {"type": "fsdp2", "world_size": world_size}, precision
-    return {"type": kind, "world_size": world_size, "tensor_parallel_size": 2 if "tp2" in options else 1}, precision
+    config = {"type": kind, "world_size": world_size, "tensor_parallel_size": 2 if "tp2" in options else 1}
+    if "ep2" in options:  # megatron: a mixture of experts' experts over two ranks
+        config["expert_parallel_size"] = 2
+    return config, precision
 
 
 def main() -> None:
@@ -112,11 +117,14 @@ def main() -> None:
             "algorithm": algorithm,
             "teacher": custom.get("teacher"),
             "critic": custom.get("critic"),
+            "routing_replay": custom.get("replay", False),
         }
     )
     backend = build_backend(config, model_dir, rank, world_size, f"tcp://127.0.0.1:{port}")
     if custom and not custom.get("resume"):
         batch = offpolicy_batch() if custom.get("batch") == "offpolicy" else contract_batch()
+        if custom.get("routed"):  # a mixture of experts: the engine's routing of every row (a torch.save'd list)
+            batch.routed_experts = torch.load(custom["routed"])
         one_step(backend, rank, out, custom.get("expect_error", False), batch)
         return
     if mode == "pushed":
@@ -155,6 +163,8 @@ def critic_fingerprint(backend) -> str | None:
 def one_step(backend, rank: int, out: str, expect_error: bool, batch: TrainBatch) -> None:
     """One step on `batch`: its metrics and the weights before and after (or the error it raised)."""
     result = {"initial": snapshot(backend)}
+    if batch.routed_experts is not None:
+        result["logprobs"] = backend.compute_logprobs(batch)
     try:
         result["metrics"] = backend.train_step(batch)
     except ValueError as exc:

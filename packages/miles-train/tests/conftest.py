@@ -26,3 +26,18 @@ def tiny_qwen3_dir(tmp_path_factory):
     than hidden / heads, tied embeddings."""
     config = tiny_model("qwen3", **SHARED_FIELDS)
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), config, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory):
+    """A random tiny Qwen3-MoE: 4 experts, top-2 renormalised, untied head (the experts fused in transformers'
+    modules, per expert in the checkpoint)."""
+    config = tiny_model("qwen3_moe", **SHARED_FIELDS)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), config, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory):
+    """A random tiny Mixtral: Llama's attention, 4 experts `block_sparse_moe.experts.<j>.w1/w3/w2`, top-2."""
+    config = tiny_model("mixtral", **SHARED_FIELDS)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), config, seed=4)

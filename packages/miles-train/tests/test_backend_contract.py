@@ -1,7 +1,7 @@
 """Contract suite for TrainerBackend, every backend and layout against plain PyTorch and against fsdp2.
 
-Layouts (gloo, one process per rank): fsdp2 on 1 and 2 ranks; megatron TP=1, TP=2 and DP=2;
-torchtitan on 1 rank, TP=2 and FSDP over 2 ranks. Every run starts from the same HF checkpoint and
+Layouts (gloo, one process per rank): fsdp2 on 1 and 2 ranks; megatron TP=1, TP=2 and DP=2, and the mixtures of
+experts on one rank and with their experts over two (EP=2); torchtitan on 1 rank, TP=2 and FSDP over 2 ranks. Every run starts from the same HF checkpoint and
 takes the same steps on the same batch, in fp32.
 
 Parity tolerance (fp32): loss, KL, entropy and gradient norm within 1e-5 of fsdp2 on one rank
@@ -19,7 +19,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_sync import without_tied_head
 from miles_train.collate import collate, logprobs_from_logits, token_logprobs
 from miles_train.config import AlgorithmConfig
 from miles_train.loss import (
@@ -117,14 +116,25 @@ LAYOUTS = [
     ("fsdp2", 1, "qwen3"),
     ("megatron-tp2", 2, "qwen3"),
     ("torchtitan-tp2", 2, "qwen3"),
+    # mixtures of experts (untied): megatron's MoELayer against transformers' (fsdp2), the experts on one rank, and
+    # over two expert-parallel ranks (each token's hidden state travels to its experts' rank and back)
+    ("megatron", 1, "mixtral"),
+    ("megatron-ep2", 2, "qwen3_moe"),
 ]
+UNTIED = ("qwen2", "qwen3_moe", "mixtral")
 IDS = [f"{m}-{v}-ws{n}" for v, n, m in LAYOUTS]
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model_dir, tiny_llama_dir, tiny_qwen3_dir):
-    return {"qwen2": tiny_model_dir, "llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}
+def models(tiny_model_dir, tiny_llama_dir, tiny_qwen3_dir, tiny_qwen3_moe_dir, tiny_mixtral_dir):
+    return {
+        "qwen2": tiny_model_dir,
+        "llama": tiny_llama_dir,
+        "qwen3": tiny_qwen3_dir,
+        "qwen3_moe": tiny_qwen3_moe_dir,
+        "mixtral": tiny_mixtral_dir,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -166,15 +176,26 @@ def reference_step(model_dir):
 
 
 def hf_state(model) -> dict[str, torch.Tensor]:
-    """An HF model's tensors as its checkpoint holds them: a tied head is the embedding (miles_sync.naming)."""
-    return dict(without_tied_head(model.state_dict().items(), model.config.tie_word_embeddings))
+    """An HF model's tensors as its checkpoint holds them: a tied head is the embedding (miles_sync.naming), a
+    mixture of experts' fused experts are per expert (what the fsdp2 export sends)."""
+    from miles_train.backends.fsdp2 import convert
+
+    return dict(convert.to_hf(model, dict(model.state_dict())))
+
+
+def load_exported(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Exported tensors (the checkpoint's names; a tied head once) into an HF model, which must take all of them."""
+    from miles_train.backends.fsdp2 import convert
+
+    missing, unexpected = model.load_state_dict(convert.from_hf(model, tensors), strict=False)
+    assert not unexpected and not missing
 
 
 def test_export_uses_hf_names_and_full_tensors(layout):
     name, model_dir, model, result = layout
     hf = hf_state(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     assert set(result["initial"]) == set(hf), name
-    assert ("lm_head.weight" in result["initial"]) == (model == "qwen2"), f"{name}: a tied head is sent once"
+    assert ("lm_head.weight" in result["initial"]) == (model in UNTIED), f"{name}: a tied head is sent once"
     for key, tensor in hf.items():
         assert torch.equal(result["initial"][key], tensor), f"{name}: {key}"
 
@@ -222,10 +243,7 @@ def test_exported_weights_give_the_trainers_logprobs(layout):
     tests/test_logprob_parity.py and the demo tests) give the logprobs the trainer computes."""
     name, model_dir, _, result = layout
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(result["after"], strict=False)
-    assert not unexpected and missing == (["lm_head.weight"] if model.config.tie_word_embeddings else []), name
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
+    load_exported(model, result["after"])
     batch = contract_batch()
     c = collate(batch)
     with torch.no_grad():
@@ -592,3 +610,48 @@ def test_distill_checkpoints_record_the_teacher_and_resume_against_it(tiny_model
     assert record["path"] == str(tiny_llama_dir) and set(record["identity"]) == {"config.json", "model.safetensors"}
     assert result["after_reload_step_fp"] == result["after2_fp"]
     assert result["metrics_after_reload"]["train/teacher_kl"] == pytest.approx(result["metrics2"]["train/teacher_kl"])
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "own-routing"])
+def test_megatron_meets_the_engines_routing_as_transformers_does(replay, tiny_qwen3_moe_dir, tmp_path):
+    """Rollout routing replay on megatron with the experts over two ranks: the engine's routing (the model's own,
+    but one row's positions sent to other experts in layer 0, one position given none) gives the logprobs that transformers'
+    model gives under the same routing (miles_train.routing on the HF routers), and the agreement counts the
+    positions that differ."""
+    from miles_train.routing import Agreement, engine_routing, routers
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).eval()
+    batch = contract_batch()
+    c = collate(batch)
+    chosen: dict[int, torch.Tensor] = {}
+    hooks = [r.register_forward_hook(lambda m, i, out, layer=layer: chosen.__setitem__(layer, out[2]))
+             for layer, r in routers(model).items()]  # fmt: skip
+    with torch.no_grad():
+        model(input_ids=c.input_ids)
+    for hook in hooks:
+        hook.remove()
+    rows, width = c.input_ids.shape
+    engine = torch.stack([chosen[layer].view(rows, width, -1) for layer in sorted(chosen)], 2).view(rows, width, -1)
+    moved = len(batch.input_ids[1]) - 1  # row 1's routed positions: other experts in layer 0
+    engine[1, :moved, :2] = (engine[1, :moved, :2] + 1) % 4
+    engine[4, 2, 2:] = -1  # row 4, layer 1: none given (the trainer's own choice)
+    routed = [engine[i, : len(ids) - 1].to(torch.int16) for i, ids in enumerate(batch.input_ids)]
+    torch.save(routed, tmp_path / "routed.pt")
+    batch.routed_experts = routed
+    agreement = Agreement()
+    with torch.no_grad(), engine_routing(model, collate(batch).routed_experts, replay, agreement):
+        expected, _ = token_logprobs(model, collate(batch))
+    assert agreement.same == agreement.total - moved
+
+    mode = "json:" + json.dumps({"routed": str(tmp_path / "routed.pt"), "replay": replay, "lr": 1e-3})
+    result = run_ranks(tiny_qwen3_moe_dir, 2, tmp_path, "megatron-ep2", mode)
+    for i, row in enumerate(result["logprobs"]):
+        start = batch.response_start[i] - 1
+        assert torch.allclose(torch.tensor(row), expected[i, start : start + len(row)], atol=TOL), i
+    assert result["metrics"]["train/routing_agreement"] == pytest.approx(agreement.value)
+    with torch.no_grad():
+        own, _ = token_logprobs(model, collate(batch))
+    # the row sent to other experts moves only under replay
+    start = batch.response_start[1] - 1
+    shift = max(abs(float(own[1, start + j]) - lp) for j, lp in enumerate(result["logprobs"][1]))
+    assert (shift > 1e-4) == replay, shift

@@ -77,7 +77,7 @@ def test_megatron_rejects_layouts_it_cannot_split():
         ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4}, "rope_parameters.rope_type: 'llama3'"),
         ("use_sliding_window", True, "use_sliding_window: True"),
         ("num_local_experts", 8, "num_local_experts: 8"),
-        ("model_type", "mixtral", "model_type: 'mixtral'"),
+        ("model_type", "phi3", "model_type: 'phi3'"),
     ],
 )
 def test_settings_the_rebuilt_models_lack_are_refused_naming_the_field(setting, value, named):
@@ -102,6 +102,70 @@ def test_mistral_is_rebuilt_as_llama_unless_its_sliding_window_is_shorter_than_i
     with pytest.raises(ValueError, match=r"megatron backend: config.json sliding_window: 64 is not supported"):
         check_family(v01, "megatron")
     check_family(tiny_model("mistral", max_position_embeddings=256, sliding_window=256), "torchtitan")  # never slides
+
+
+def _moe_checkpoint(family: str) -> tuple:
+    """A tiny mixture of experts' config and its checkpoint's tensors (per expert, as save_pretrained writes them)."""
+    from transformers import AutoModelForCausalLM
+
+    from miles_train.backends.fsdp2 import convert
+
+    config = tiny_model(family, vocab_size=19)
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config)
+    return config, {name: t.clone() for name, t in convert.to_hf(model, dict(model.state_dict()))}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_megatron_expert_layouts_round_trip(family, ep):
+    """Each expert-parallel rank takes its consecutive experts (gate and up fused); gathered under their global
+    index, every checkpoint tensor comes back bit for bit, in the checkpoint's names."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from miles_train.backends.megatron import convert
+
+    config, hf = _moe_checkpoint(family)
+    convert.check_supported(config, 1, ep)
+    per_rank = [convert.hf_to_megatron(hf, config, 1, 0, ep, r) for r in range(ep)]
+    local = 4 // ep
+    assert {n for n in per_rank[0] if convert.is_expert(n) and n.startswith("decoder.layers.0.")} == {
+        f"decoder.layers.0.mlp.experts.local_experts.{i}.{fc}.weight"
+        for i in range(local)
+        for fc in ("linear_fc1", "linear_fc2")
+    }
+    shards: dict[str, list[torch.Tensor]] = {}
+    for rank, tensors in enumerate(per_rank):
+        for name, tensor in tensors.items():
+            key = convert.global_expert_name(name, rank, local) if convert.is_expert(name) else name
+            shards.setdefault(key, [tensor])
+    prefix = "block_sparse_moe" if family == "mixtral" else "mlp"
+    up = "w3" if family == "mixtral" else "up_proj"
+    fc1 = shards["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"][0]  # on the last rank
+    assert torch.equal(fc1[fc1.shape[0] // 2 :], hf[f"model.layers.1.{prefix}.experts.3.{up}.weight"])
+    back = dict(convert.megatron_to_hf(shards, config))
+    assert set(back) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_what_megatron_cannot_split_of_a_mixture_of_experts_is_refused_naming_the_field():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from miles_train.backends.hf_family import check_family
+    from miles_train.backends.megatron import convert
+
+    moe = tiny_model("qwen3_moe", vocab_size=19)
+    with pytest.raises(ValueError, match="expert_parallel_size 3 must divide config.json num_local_experts"):
+        convert.check_supported(moe, 1, 3)
+    with pytest.raises(ValueError, match="with tensor_parallel_size 2: split the experts .* expert_parallel_size"):
+        convert.check_supported(moe, 2)
+    with pytest.raises(ValueError, match="expert_parallel_size 2 needs a mixture of experts"):
+        convert.check_supported(tiny_model("qwen3", vocab_size=19), 1, 2)
+    with pytest.raises(ValueError, match=r"config.json mlp_only_layers: \[1\] is not supported"):
+        convert.check_supported(tiny_model("qwen3_moe", vocab_size=19, mlp_only_layers=[1]), 1)
+    with pytest.raises(ValueError, match=r"torchtitan backend: config.json num_local_experts: 4 is not supported"):
+        check_family(moe, "torchtitan")
+    with pytest.raises(ValueError, match=r"world_size \(2\) must be a multiple of expert_parallel_size \(4\)"):
+        TrainConfig.model_validate({"backend": {"type": "megatron", "world_size": 2, "expert_parallel_size": 4}})
 
 
 def test_megatron_refuses_checkpoint_tensors_it_has_no_place_for():

@@ -49,6 +49,21 @@ class MegatronConfig(_ModelParallel):
     HF weights are converted on load and converted back by `export_weights`."""
 
     type: Literal["megatron"] = "megatron"
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="A mixture of experts: ranks its experts are split over (each holds num_experts / this many "
+        "whole experts; tokens travel to their experts' ranks). It must divide world_size; tensor_parallel_size 1.",
+    )
+
+    @model_validator(mode="after")
+    def _ep_divides_world(self):
+        if self.world_size % (self.expert_parallel_size * self.tensor_parallel_size):
+            raise ValueError(
+                f"world_size ({self.world_size}) must be a multiple of expert_parallel_size "
+                f"({self.expert_parallel_size}) × tensor_parallel_size ({self.tensor_parallel_size})"
+            )
+        return self
 
 
 class TorchtitanConfig(_ModelParallel):

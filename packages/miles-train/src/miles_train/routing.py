@@ -9,8 +9,9 @@ with their own (differentiable) probabilities, so the router still learns. Eithe
 its own top-k agrees with the engine's (`train/routing_agreement`).
 
 The routers are transformers' top-k router modules (`<Family>TopKRouter`: `weight`, `top_k`, `norm_topk_prob`, or
-Mixtral's, which always renormalises; forward → router logits, the chosen experts' weights, their indices), found by
-module name `…layers.<i>…`.
+Mixtral's, which always renormalises; forward → router logits, the chosen experts' weights, their indices), or
+megatron-core's `TopKRouter` (its `router_replay` hook chooses the top-k; tokens in its [sequence, batch] order), found
+by module name `…layers.<i>…`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ def routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     found = {}
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if kind.endswith("TopKRouter"):
+        if _is_megatron(module):
+            match = _LAYER.search(name)
+            if match is None:
+                raise ValueError(f"routing replay: router {name} ({kind}) is not in a numbered layer")
+            found[int(match.group(1))] = module
+        elif kind.endswith("TopKRouter"):
             match = _LAYER.search(name)
             known = hasattr(module, "norm_topk_prob") or kind in _RENORMALISING
             if match is None or not known or not all(hasattr(module, a) for a in ("weight", "top_k")):
@@ -72,23 +78,81 @@ def engine_routing(
         yield
         return
     assert routed is not None
-    top_k = next(iter(found.values())).top_k
+    first = next(iter(found.values()))
+    top_k = first.topk if _is_megatron(first) else first.top_k
     routed = routed.view(*routed.shape[:2], -1, top_k)  # [B, T, layers, top_k]
     patched = []
     for layer, module in found.items():
         if layer >= routed.shape[2]:
             raise ValueError(f"routing replay: the engine's routing has {routed.shape[2]} layers, the model's router "
                              f"of layer {layer} has none")  # fmt: skip
-        patched.append((module, vars(module).get("forward")))  # an instance's own forward (hooks), if any
-        module.forward = types.MethodType(_replaying(routed[:, :, layer], replay, agreement), module)
+        own_forward = vars(module).get("forward")  # an instance's own forward (hooks), if any
+        patched.append((module, own_forward, getattr(module, "router_replay", None)))
+        if _is_megatron(module):
+            _MegatronReplay(routed[:, :, layer], replay, agreement).install(module)
+        else:
+            module.forward = types.MethodType(_replaying(routed[:, :, layer], replay, agreement), module)
     try:
         yield
     finally:
-        for module, own in patched:
+        for module, own, router_replay in patched:
             if own is None:
                 del module.forward  # the class's forward again
             else:
                 module.forward = own
+            if _is_megatron(module):
+                module.router_replay = router_replay
+
+
+def _is_megatron(module: torch.nn.Module) -> bool:
+    """megatron-core's top-k router: it asks its `router_replay` (None by default) for the top-k."""
+    return hasattr(module, "router_replay") and hasattr(module, "topk") and hasattr(module, "gating")
+
+
+def _choose(own: torch.Tensor, theirs: torch.Tensor, replay: bool, agreement: Agreement) -> torch.Tensor:
+    """The experts each position goes to (`own`, `theirs`: [positions, top_k], −1 rows where the engine gave none):
+    the engine's where given and `replay`, else the router's own; counts where both agree."""
+    theirs = theirs.to(own.device)
+    if theirs.shape != own.shape:
+        raise ValueError(f"routing replay: the engine's routing is {tuple(theirs.shape)} for {tuple(own.shape)} "
+                         "positions × experts")  # fmt: skip
+    given = (theirs >= 0).all(dim=-1)
+    with torch.no_grad():
+        same = (own.sort(dim=-1).values == theirs.sort(dim=-1).values).all(dim=-1) & given
+        agreement.same += float(same.sum())
+        agreement.total += float(given.sum())
+    return torch.where(given[:, None], theirs, own) if replay else own
+
+
+class _MegatronReplay:
+    """Stands in for megatron's RouterReplay on one router for one forward: the router's own top-k, compared with
+    the engine's and replaced by it where given. Megatron's router flattens its [sequence, batch] input (the batch
+    possibly padded, see the megatron backend), so the engine's [B, T] rows are laid out in that order."""
+
+    def __init__(self, engine: torch.Tensor, replay: bool, agreement: Agreement) -> None:
+        self.engine, self.replay, self.agreement = engine, replay, agreement
+        self.shape: tuple[int, int] | None = None
+
+    def install(self, router: torch.nn.Module) -> None:
+        forward = router.forward
+
+        def noting_shape(input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.shape = (input.shape[0], input.shape[1])  # [sequence, batch, hidden]
+            return forward(input, *args, **kwargs)
+
+        router.forward = noting_shape
+        router.router_replay = self
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        """megatron's hook: (the chosen experts' scores, their indices) for `scores` [positions, experts]."""
+        assert self.shape is not None and default_compute_topk is not None
+        _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        seq, rows = self.shape
+        engine = self.engine.to(own.device)
+        padded = engine.new_full((rows, seq, engine.shape[-1]), -1)
+        padded[: engine.shape[0], : engine.shape[1]] = engine[:rows, :seq]
+        chosen = _choose(own, padded.transpose(0, 1).reshape(-1, engine.shape[-1]).long(), self.replay, self.agreement)
+        return scores.gather(1, chosen), chosen
 
 
 def _replaying(engine: torch.Tensor, replay: bool, agreement: Agreement) -> Any:
@@ -99,16 +163,7 @@ def _replaying(engine: torch.Tensor, replay: bool, agreement: Agreement) -> Any:
         logits = F.linear(hidden, self.weight)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         _, own = torch.topk(probs, self.top_k, dim=-1)
-        theirs = engine.reshape(-1, engine.shape[-1]).to(own.device)
-        if theirs.shape[0] != own.shape[0] or theirs.shape[1] != own.shape[1]:
-            raise ValueError(f"routing replay: the engine's routing is {tuple(theirs.shape)} for {tuple(own.shape)} "
-                             "positions × experts")  # fmt: skip
-        given = (theirs >= 0).all(dim=-1)
-        with torch.no_grad():
-            same = (own.sort(dim=-1).values == theirs.sort(dim=-1).values).all(dim=-1) & given
-            agreement.same += float(same.sum())
-            agreement.total += float(given.sum())
-        chosen = torch.where(given[:, None], theirs, own) if replay else own
+        chosen = _choose(own, engine.reshape(-1, engine.shape[-1]).long(), replay, agreement)
         weights = probs.gather(-1, chosen)
         if getattr(self, "norm_topk_prob", True):  # the Mixtral router always renormalises
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -15,7 +15,7 @@ def check_model(config: BackendConfig, hf_config: Any) -> None:
     if config.type == "megatron":
         from miles_train.backends.megatron.convert import check_supported
 
-        check_supported(hf_config, config.tensor_parallel_size)
+        check_supported(hf_config, config.tensor_parallel_size, config.expert_parallel_size)
     elif config.type == "torchtitan":
         from miles_train.backends.torchtitan.convert import check_supported
 

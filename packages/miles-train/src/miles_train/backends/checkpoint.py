@@ -35,6 +35,7 @@ class TrainerState:
     world_size: int = 1
     tensor_parallel_size: int = 1
     padded_vocab: int | None = None  # tensor-parallel layouts pad the vocabulary: the optimizer state's rows
+    expert_parallel_size: int = 1  # megatron: which experts (and their optimizer state) each rank holds
 
     @classmethod
     def read(cls, directory: Path) -> TrainerState:

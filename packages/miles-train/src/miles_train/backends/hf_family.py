@@ -1,5 +1,6 @@
 """The HF model families the megatron and torchtitan backends rebuild (Qwen2/2.5, Qwen3, Llama, and Mistral
-without a sliding window: Llama's layer under another model_type), and what of their configs those rebuilds cover. Anything else is refused with the config.json field that
+without a sliding window: Llama's layer under another model_type; megatron also the mixtures of experts Qwen3-MoE and
+Mixtral), and what of their configs those rebuilds cover. Anything else is refused with the config.json field that
 asks for it, rather than giving a model that silently drops weights or computes something else."""
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED = ("qwen2", "qwen3", "llama", "mistral")
+# Mixtures of experts: Qwen3's attention (Llama's for Mixtral), every MLP a set of SwiGLU experts behind a softmax
+# top-k router, no shared expert
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 class UnsupportedModel(ValueError):
@@ -32,26 +36,64 @@ def has_qkv_bias(hf_config: Any) -> bool:
 
 
 def has_qk_norm(hf_config: Any) -> bool:
-    """Qwen3 normalises each query and key head (RMSNorm over the head dimension) before RoPE."""
-    return hf_config.model_type == "qwen3"
+    """Qwen3 (and Qwen3-MoE) normalises each query and key head (RMSNorm over the head dimension) before RoPE."""
+    return hf_config.model_type in ("qwen3", "qwen3_moe")
 
 
-def unsupported_fields(hf_config: Any) -> list[tuple[str, Any, str]]:
-    """(field, value, why) for every config.json setting the rebuilt models would not honour."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED:
-        return [("model_type", model_type, f"the rebuilt families are {', '.join(SUPPORTED)}")]
+def experts_field(hf_config: Any) -> str | None:
+    """The config field holding a mixture of experts' expert count (None for a dense model): not an alias
+    (`attribute_map`; transformers 5 keeps `num_local_experts` for Qwen3-MoE too, `num_experts` naming it)."""
+    aliases = getattr(type(hf_config), "attribute_map", {})
+    names = ("num_experts", "num_local_experts")
+    return next((n for n in names if n not in aliases and getattr(hf_config, n, None)), None)
+
+
+def num_experts(hf_config: Any) -> int:
+    field = experts_field(hf_config)
+    return int(getattr(hf_config, field)) if field else 0
+
+
+def moe_ffn_size(hf_config: Any) -> int:
+    """One expert's intermediate width (Qwen3-MoE: `moe_intermediate_size`; Mixtral's experts are its
+    `intermediate_size`)."""
+    return int(getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)
+
+
+def _moe_fields(hf_config: Any) -> list[tuple[str, Any, str]]:
+    """What of a Qwen3-MoE / Mixtral config the rebuilt mixture of experts does not honour."""
     found = []
-    experts = next((n for n in ("num_experts", "num_local_experts") if getattr(hf_config, n, None)), None)
-    if experts:
-        found.append((experts, getattr(hf_config, experts), "mixture-of-experts layers are not rebuilt"))
+    if getattr(hf_config, "mlp_only_layers", None):
+        found.append(("mlp_only_layers", hf_config.mlp_only_layers, "every layer a mixture of experts only"))
+    if getattr(hf_config, "decoder_sparse_step", 1) != 1:
+        found.append(("decoder_sparse_step", hf_config.decoder_sparse_step, "every layer a mixture of experts only"))
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        found.append(("router_jitter_noise", hf_config.router_jitter_noise, "routers without jitter only"))
+    return found
+
+
+def unsupported_fields(hf_config: Any, moe: bool = False) -> list[tuple[str, Any, str]]:
+    """(field, value, why) for every config.json setting the rebuilt models would not honour; with `moe`, the
+    backend rebuilds MOE_FAMILIES too."""
+    model_type = getattr(hf_config, "model_type", None)
+    families = SUPPORTED + MOE_FAMILIES if moe else SUPPORTED
+    if model_type not in families:
+        field = experts_field(hf_config)
+        if model_type in MOE_FAMILIES and field:  # a family another backend rebuilds: name what this one lacks
+            return [(field, getattr(hf_config, field), "mixture-of-experts layers are rebuilt by megatron only")]
+        return [("model_type", model_type, f"the rebuilt families are {', '.join(families)}")]
+    found = []
+    field = experts_field(hf_config)
+    if field and model_type not in MOE_FAMILIES:
+        found.append((field, getattr(hf_config, field), "mixture-of-experts layers are not rebuilt"))
+    if model_type in MOE_FAMILIES:
+        found += _moe_fields(hf_config)
     if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):  # Qwen2's q/k/v biases are rebuilt
         found.append(("attention_bias", True, "attention projections without biases only"))
     if getattr(hf_config, "mlp_bias", False):
         found.append(("mlp_bias", True, "MLP projections without biases only"))
     if getattr(hf_config, "use_sliding_window", False):
         found.append(("use_sliding_window", True, "full causal attention only"))
-    window = getattr(hf_config, "sliding_window", None) if model_type == "mistral" else None
+    window = getattr(hf_config, "sliding_window", None) if model_type in ("mistral", "mixtral") else None
     if window is not None and window < hf_config.max_position_embeddings:  # Mistral v0.1: 4096 of 32768
         found.append(("sliding_window", window, "full causal attention only"))
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -64,18 +106,18 @@ def unsupported_fields(hf_config: Any) -> list[tuple[str, Any, str]]:
     return found
 
 
-def check_family(hf_config: Any, backend: str) -> None:
+def check_family(hf_config: Any, backend: str, moe: bool = False) -> None:
     """Raise UnsupportedModel naming the first config.json field the rebuilt model would not honour."""
-    found = unsupported_fields(hf_config)
+    found = unsupported_fields(hf_config, moe)
     if found:
         field, value, why = found[0]
         raise UnsupportedModel(f"{backend} backend: config.json {field}: {value!r} is not supported ({why})")
 
 
-def check_rebuildable(hf_config: Any, backend: str, tp: int, split: tuple[str, ...]) -> None:
+def check_rebuildable(hf_config: Any, backend: str, tp: int, split: tuple[str, ...], moe: bool = False) -> None:
     """`check_family`, then that `tp` (tensor_parallel_size) divides each config.json field in `split` (what the
     backend splits over its tensor-parallel ranks)."""
-    check_family(hf_config, backend)
+    check_family(hf_config, backend, moe)
     for name in split:
         if getattr(hf_config, name) % tp:
             raise UnsupportedModel(

@@ -1,5 +1,6 @@
-"""megatron-core trainer backend: GPTModel (local layer spec) from an HF Qwen2/Llama checkpoint,
-tensor parallel × data parallel (`parallelize.py`), Megatron's optimizer, HF weights out (`convert.py`).
+"""megatron-core trainer backend: GPTModel (local layer spec) from an HF Qwen2/Qwen3/Llama checkpoint or a mixture of
+experts (Qwen3-MoE, Mixtral: megatron's MoELayer), tensor parallel × data parallel, experts over expert-parallel ranks
+(`parallelize.py`), Megatron's optimizer, HF weights out (`convert.py`).
 `train.precision` bf16/fp16 uses Megatron's mechanism: Float16Module parameters, fp32 gradient buffers and the
 mixed-precision optimizer's fp32 master weights (with its dynamic loss scaler for fp16).
 """
@@ -28,36 +29,44 @@ class MegatronBackend(Backend):
 
     def _set_up(self, model_path: str | Path) -> None:
         self.tp = self.config.backend.tensor_parallel_size
-        self.hf_config = load_checked_config(model_path, convert.check_supported, self.tp)
+        self.ep = self.config.backend.expert_parallel_size
+        self.hf_config = load_checked_config(
+            model_path, lambda hf_config, tp: convert.check_supported(hf_config, tp, self.ep), self.tp
+        )
         cpu.apply()
-        layout = parallelize.initialize(self.tp)
+        layout = parallelize.initialize(self.tp, self.ep)
         self.tp_rank, self.tp_group = layout.tp_rank, layout.tp_group
         self.dp_rank, self.dp_size = layout.dp_rank, layout.dp_size
+        self.ep_rank, self.ep_group = layout.ep_rank, layout.ep_group
         # Megatron's DDP averages gradients over the data-parallel ranks: × dp_size restores the
         # global token mean of the loss.
         self.loss_scale = float(self.dp_size)
         self._init_rng()
 
         hf_state = read_hf_state(model_path)
-        self.transformer_config = convert.transformer_config(self.hf_config, self.tp, self.config.precision)
-        model = parallelize.build(self.hf_config, hf_state, self.tp, self.tp_rank, self.device, self.transformer_config)
+        self.transformer_config = convert.transformer_config(self.hf_config, self.tp, self.config.precision, self.ep)
+        model = self._build(self.hf_config, hf_state, self.transformer_config)
         self.model = parallelize.wrap_ddp(self.transformer_config, model)
         self.optimizer = self._build_optimizer()
         if self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher (its own folder)
             self.reference = self._build_frozen(self.config.teacher, hf_state).eval().requires_grad_(False)
 
     # ---- construction --------------------------------------------------------------------------
+    def _build(self, hf_config, hf_state: dict[str, torch.Tensor], transformer_config) -> torch.nn.Module:
+        return parallelize.build(
+            hf_config, hf_state, self.tp, self.tp_rank, self.device, transformer_config, self.ep, self.ep_rank
+        )
+
     def _build_frozen(self, teacher: str | None, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """The checkpoint again (the KL reference), or the teacher from its folder with its own shape, split over
         the same tensor-parallel ranks."""
         if teacher is None:
-            return parallelize.build(
-                self.hf_config, hf_state, self.tp, self.tp_rank, self.device, self.transformer_config
-            )
-        teacher_config = load_checked_config(teacher, convert.check_supported, self.tp)
-        transformer_config = convert.transformer_config(teacher_config, self.tp, self.config.precision)
-        state = read_hf_state(teacher)
-        return parallelize.build(teacher_config, state, self.tp, self.tp_rank, self.device, transformer_config)
+            return self._build(self.hf_config, hf_state, self.transformer_config)
+        teacher_config = load_checked_config(
+            teacher, lambda hf_config, tp: convert.check_supported(hf_config, tp, self.ep), self.tp
+        )
+        transformer_config = convert.transformer_config(teacher_config, self.tp, self.config.precision, self.ep)
+        return self._build(teacher_config, read_hf_state(teacher), transformer_config)
 
     def _init_rng(self) -> None:
         from megatron.core import tensor_parallel
@@ -94,14 +103,22 @@ class MegatronBackend(Backend):
     # ---- TrainerBase hooks ---------------------------------------------------------------------
     def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
         ids = c.input_ids
-        seq = ids.shape[1]
+        rows, seq = ids.shape
+        if self.ep > 1:
+            # Megatron's all-gather token dispatcher gathers every expert-parallel rank's tokens into one tensor, which
+            # needs the same shape on each: pad to the group's largest (padding rows and columns are sliced off).
+            shape = torch.tensor([rows, seq], device=ids.device)
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.ep_group)
+            width, height = int(shape[1]) - seq, int(shape[0]) - rows
+            ids = torch.nn.functional.pad(ids, (0, width, 0, height), value=self.pad_token_id)
+            seq = ids.shape[1]
         position_ids = torch.arange(seq, device=ids.device)[None].expand_as(ids)
         # Right padding: with a causal mask no real token attends to padding. The mask is passed
         # (True = masked) because the local attention's default causal mask is built on "cuda";
         # an s × s boolean per forward costs nothing next to the attention itself.
         causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=ids.device), 1)[None, None]
         logits = model(ids, position_ids, causal, runtime_gather_output=True)
-        return logits[..., : self.hf_config.vocab_size]
+        return logits[:rows, : c.input_ids.shape[1], : self.hf_config.vocab_size]
 
     def _zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -133,7 +150,10 @@ class MegatronBackend(Backend):
         return parallelize.data_parallel_group()
 
     def _replicas(self, param: torch.Tensor) -> int:
-        """Data-parallel ranks all hold every parameter; TP ranks split some (`tensor_model_parallel`)."""
+        """Data-parallel ranks all hold every parameter but an expert's (`allreduce` False: one rank of each
+        expert-parallel group); TP ranks split some (`tensor_model_parallel`)."""
+        if not getattr(param, "allreduce", True):
+            return self.world_size // self.ep
         return self.dp_size * (1 if getattr(param, "tensor_model_parallel", False) else self.tp)
 
     # ---- weights, checkpoints -------------------------------------------------------------------
@@ -141,10 +161,20 @@ class MegatronBackend(Backend):
         return {parallelize.local_name(name): p for name, p in self.model.named_parameters()}
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """All-gather each parameter over the tensor-parallel group, convert to HF on global rank 0."""
+        """All-gather each parameter over the tensor-parallel group (an expert's over the expert-parallel group, under
+        its index in the whole layer), convert to HF on global rank 0."""
         shards: dict[str, list[torch.Tensor]] = {}
+        local_experts = convert.num_experts(self.hf_config) // self.ep
         for name, param in self._local_params().items():
             data = param.detach()
+            if convert.is_expert(name):
+                parts = [data]
+                if self.ep > 1:
+                    parts = [torch.empty_like(data) for _ in range(self.ep)]
+                    dist.all_gather(parts, data.contiguous(), group=self.ep_group)
+                for ep_rank, part in enumerate(parts):
+                    shards[convert.global_expert_name(name, ep_rank, local_experts)] = [part.cpu()]
+                continue
             if self.tp > 1:
                 parts = [torch.empty_like(data) for _ in range(self.tp)]
                 dist.all_gather(parts, data.contiguous(), group=self.tp_group)
@@ -155,7 +185,7 @@ class MegatronBackend(Backend):
             yield from convert.megatron_to_hf(shards, self.hf_config)
 
     def _state(self) -> TrainerState:
-        return TrainerState(self.name, self.step, self.world_size, self.tp)
+        return TrainerState(self.name, self.step, self.world_size, self.tp, expert_parallel_size=self.ep)
 
     def save(self, directory: str | Path) -> None:
         """The common checkpoint (backends/checkpoint.py) with each rank's optimizer state (Megatron's layout:
@@ -171,10 +201,13 @@ class MegatronBackend(Backend):
 
     def load(self, directory: str | Path) -> None:
         ckpt = load_checkpoint(
-            directory, self._state(), ("world_size", "tensor_parallel_size"), self.rank,
+            directory, self._state(), ("world_size", "tensor_parallel_size", "expert_parallel_size"), self.rank,
             per_rank_optimizer=True, optimizer_io=cpu.on_cpu,
         )  # fmt: skip
-        parallelize.assign(self.model, convert.hf_to_megatron(ckpt.hf_state, self.hf_config, self.tp, self.tp_rank))
+        parallelize.assign(
+            self.model,
+            convert.hf_to_megatron(ckpt.hf_state, self.hf_config, self.tp, self.tp_rank, self.ep, self.ep_rank),
+        )
         with cpu.on_cpu():
             self.optimizer.load_state_dict(ckpt.optimizer_state)
         self.step = ckpt.state.step

@@ -1,4 +1,5 @@
-"""HF (Qwen2 / Qwen3 / Llama) ⇄ megatron-core GPTModel: the model config and the weight layouts.
+"""HF (Qwen2 / Qwen3 / Llama, and the mixtures of experts Qwen3-MoE / Mixtral) ⇄ megatron-core GPTModel: the model
+config and the weight layouts.
 
 Layouts (megatron-core's local layer spec, tensor-parallel size `tp`, rank `r`):
 - `linear_qkv` fuses q, k and v per key-value group: for each of the `ng` groups, the group's
@@ -9,10 +10,15 @@ Layouts (megatron-core's local layer spec, tensor-parallel size `tp`, rank `r`):
 - the word embedding and the output layer split the vocabulary (dim 0), padded with zero rows to a
   multiple of `tp`; the padding is sliced off the logits and off the exported tensors.
 - layer norms are replicated, Qwen3's per-head q/k norms (`q_layernorm`, `k_layernorm`) too.
+- a mixture of experts (tensor-parallel size 1) is megatron's MoELayer: the router (`mlp.router.weight`, the
+  checkpoint's `gate`) on every rank, and expert-parallel rank `e` of `ep` holds the `n/ep` consecutive experts
+  `e·n/ep …` as `mlp.experts.local_experts.<l>` (`linear_fc1` = cat(gate, up), `linear_fc2` = down), the checkpoint's
+  `mlp.experts.<j>.{gate,up,down}_proj` (Qwen3-MoE) or `block_sparse_moe.experts.<j>.{w1,w3,w2}` (Mixtral).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,13 +26,68 @@ import torch
 
 from miles_sync import TIED_HEAD
 from miles_train.backends.distributed import pad_rows, padded_vocab
-from miles_train.backends.hf_family import check_rebuildable, has_qk_norm, has_qkv_bias, head_dim, rope_parameters
+from miles_train.backends.hf_family import (
+    UnsupportedModel,
+    check_rebuildable,
+    experts_field,
+    has_qk_norm,
+    has_qkv_bias,
+    head_dim,
+    moe_ffn_size,
+    num_experts,
+    rope_parameters,
+)
 
 
-def check_supported(hf_config: Any, tp: int) -> None:
-    """Raise UnsupportedModel unless Megatron's rebuilt model honours `hf_config` split over `tp` ranks (each
-    rank holds whole key-value groups)."""
-    check_rebuildable(hf_config, "megatron", tp, ("num_key_value_heads", "intermediate_size"))
+def check_supported(hf_config: Any, tp: int, ep: int = 1) -> None:
+    """Raise UnsupportedModel unless Megatron's rebuilt model honours `hf_config` split over `tp` tensor-parallel
+    ranks (each holding whole key-value groups) and `ep` expert-parallel ranks (each holding whole experts)."""
+    field = experts_field(hf_config)
+    check_rebuildable(
+        hf_config, "megatron", tp, ("num_key_value_heads",) + (() if field else ("intermediate_size",)), moe=True
+    )
+    if field and tp > 1:
+        raise UnsupportedModel(
+            f"megatron backend: a mixture of experts (config.json {field}) with tensor_parallel_size {tp}: split "
+            "the experts over ranks with expert_parallel_size instead (tensor_parallel_size 1)"
+        )
+    if ep > 1 and not field:
+        raise UnsupportedModel(
+            f"megatron backend: expert_parallel_size {ep} needs a mixture of experts, and config.json has no "
+            "num_experts / num_local_experts"
+        )
+    if field and num_experts(hf_config) % ep:
+        raise UnsupportedModel(
+            f"megatron backend: expert_parallel_size {ep} must divide config.json {field} ({num_experts(hf_config)})"
+        )
+
+
+def _moe_names(hf_config: Any) -> tuple[str, tuple[str, str, str]]:
+    """A layer's mixture of experts in the checkpoint: its prefix and the gate / up / down names of an expert."""
+    if hf_config.model_type == "mixtral":
+        return "block_sparse_moe.", ("w1", "w3", "w2")
+    return "mlp.", ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_config(hf_config: Any, ep: int) -> dict[str, Any]:
+    """TransformerConfig fields of a mixture of experts as transformers computes it: softmax over the router's
+    logits, top-k, the chosen weights renormalised (Mixtral always, Qwen3-MoE with `norm_topk_prob`; megatron's
+    softmax over the top-k logits is the same), no load-balancing loss (transformers adds one only when asked for
+    router logits), the all-gather token dispatcher (the all-to-all one needs CUDA streams)."""
+    if not num_experts(hf_config):
+        return {"ffn_hidden_size": hf_config.intermediate_size}
+    renormalise = hf_config.model_type == "mixtral" or bool(getattr(hf_config, "norm_topk_prob", True))
+    return {
+        "ffn_hidden_size": moe_ffn_size(hf_config),
+        "num_moe_experts": num_experts(hf_config),
+        "moe_ffn_hidden_size": moe_ffn_size(hf_config),
+        "moe_router_topk": hf_config.num_experts_per_tok,
+        "moe_router_pre_softmax": not renormalise,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "expert_model_parallel_size": ep,
+    }
 
 
 # fused kernels need Transformer Engine / apex; the plain ops give the same numbers
@@ -39,10 +100,10 @@ _FUSIONS = (
 )
 
 
-def transformer_config(hf_config: Any, tp: int, precision: str = "fp32"):
-    """The megatron-core TransformerConfig of an HF Qwen2/Qwen3/Llama config (dropout off). `precision`
-    (train.precision) sets Megatron's own bf16 / fp16 flags; the model is built in fp32 and cast by Megatron's
-    Float16Module (parallelize.py)."""
+def transformer_config(hf_config: Any, tp: int, precision: str = "fp32", ep: int = 1):
+    """The megatron-core TransformerConfig of an HF Qwen2/Qwen3/Llama/Qwen3-MoE/Mixtral config (dropout off), its
+    experts over `ep` expert-parallel ranks. `precision` (train.precision) sets Megatron's own bf16 / fp16 flags;
+    the model is built in fp32 and cast by Megatron's Float16Module (parallelize.py)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -51,7 +112,6 @@ def transformer_config(hf_config: Any, tp: int, precision: str = "fp32"):
         hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
-        ffn_hidden_size=hf_config.intermediate_size,
         kv_channels=head_dim(hf_config),
         add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config),
@@ -69,17 +129,21 @@ def transformer_config(hf_config: Any, tp: int, precision: str = "fp32"):
         # weights come from the HF checkpoint: build on the host, skip random initialisation
         use_cpu_initialization=True,
         perform_initialization=False,
+        **_moe_config(hf_config, ep),
         **dict.fromkeys(_FUSIONS, False),
     )
 
 
-def build_gpt_model(hf_config: Any, tp: int, max_sequence_length: int | None = None):
+def build_gpt_model(hf_config: Any, tp: int, max_sequence_length: int | None = None, ep: int = 1):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    experts = num_experts(hf_config) or None  # each expert its own MLP (no grouped GEMM: that needs TE / CUDA)
     return GPTModel(
-        transformer_config(hf_config, tp),
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=has_qk_norm(hf_config)),
+        transformer_config(hf_config, tp, ep=ep),
+        get_gpt_layer_local_spec(
+            num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=has_qk_norm(hf_config)
+        ),
         vocab_size=padded_vocab(hf_config.vocab_size, tp),
         max_sequence_length=max_sequence_length or hf_config.max_position_embeddings,
         position_embedding_type="rope",
@@ -102,9 +166,12 @@ def _split_qkv(fused: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, torch
     return tuple(torch.cat([g[i] for g in groups], 0) for i in range(3))  # type: ignore[return-value]
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """The tensors of TP rank `rank`, under GPTModel parameter names. Every HF tensor must find a
-    place (a checkpoint with more than the config says raises instead of being dropped)."""
+def hf_to_megatron(
+    hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: int, ep: int = 1, ep_rank: int = 0
+) -> dict[str, torch.Tensor]:
+    """The tensors of TP rank `rank` and expert-parallel rank `ep_rank`, under GPTModel parameter names. Every HF
+    tensor must find a place on some rank (a checkpoint with more than the config says raises instead of being
+    dropped)."""
     used: set[str] = set()
 
     def get(name: str) -> torch.Tensor:
@@ -129,6 +196,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: i
             out[m + "self_attention.q_layernorm.weight"] = get(attn + "q_norm.weight")
             out[m + "self_attention.k_layernorm.weight"] = get(attn + "k_norm.weight")
         out[m + "pre_mlp_layernorm.weight"] = get(h + "post_attention_layernorm.weight")
+        if num_experts(hf_config):
+            out |= _experts_to_megatron(get, hf_config, h, m, ep, ep_rank)
+            continue
         gate, up = get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], 0)
         out[m + "mlp.linear_fc2.weight"] = get(h + "mlp.down_proj.weight").chunk(tp, 1)[rank]
@@ -142,9 +212,41 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any, tp: int, rank: i
     return out
 
 
+def _experts_to_megatron(get: Any, hf_config: Any, h: str, m: str, ep: int, ep_rank: int) -> dict[str, torch.Tensor]:
+    """One layer's router and this expert-parallel rank's experts (the others' are read too: they have a place)."""
+    prefix, (gate, up, down) = _moe_names(hf_config)
+    out = {m + "mlp.router.weight": get(h + prefix + "gate.weight")}
+    n = num_experts(hf_config)
+    for j in range(n):
+        expert = f"{h}{prefix}experts.{j}."
+        tensors = [get(f"{expert}{name}.weight") for name in (gate, up, down)]
+        local, owner = j % (n // ep), j // (n // ep)
+        if owner == ep_rank:
+            fc = f"{m}mlp.experts.local_experts.{local}."
+            out[fc + "linear_fc1.weight"] = torch.cat(tensors[:2], 0)
+            out[fc + "linear_fc2.weight"] = tensors[2]
+    return out
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
+
+
+def is_expert(name: str) -> bool:
+    """Whether a GPTModel parameter belongs to one expert (held by one expert-parallel rank)."""
+    return _LOCAL_EXPERT.match(name) is not None
+
+
+def global_expert_name(name: str, ep_rank: int, local_experts: int) -> str:
+    """A local expert's parameter under the expert's index in the whole layer (`local_experts.<global>`)."""
+    match = _LOCAL_EXPERT.match(name)
+    assert match is not None, name
+    return f"{match.group(1)}{ep_rank * local_experts + int(match.group(2))}{match.group(3)}"
+
+
 def megatron_to_hf(shards: dict[str, list[torch.Tensor]], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """From every TP rank's tensor of each GPTModel parameter (rank order) to full HF tensors, in
-    the order of an HF state dict; a tied head is the embedding and is not named twice (miles_sync.naming)."""
+    """From every TP rank's tensor of each GPTModel parameter (rank order; experts under their global index, see
+    `global_expert_name`) to full HF tensors, in the order of an HF state dict; a tied head is the embedding and is
+    not named twice (miles_sync.naming)."""
     vocab = hf_config.vocab_size
 
     def whole(name: str, dim: int) -> torch.Tensor:
@@ -169,10 +271,20 @@ def megatron_to_hf(shards: dict[str, list[torch.Tensor]], hf_config: Any) -> Ite
         if has_qk_norm(hf_config):
             yield attn + "q_norm.weight", shards[m + "self_attention.q_layernorm.weight"][0]
             yield attn + "k_norm.weight", shards[m + "self_attention.k_layernorm.weight"][0]
-        fc1 = [s.chunk(2, 0) for s in shards[m + "mlp.linear_fc1.weight"]]
-        yield h + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1], 0)
-        yield h + "mlp.up_proj.weight", torch.cat([u for _, u in fc1], 0)
-        yield h + "mlp.down_proj.weight", whole(m + "mlp.linear_fc2.weight", 1)
+        if num_experts(hf_config):
+            prefix, (gate, up, down) = _moe_names(hf_config)
+            yield h + prefix + "gate.weight", shards[m + "mlp.router.weight"][0]
+            for j in range(num_experts(hf_config)):
+                fc, expert = f"{m}mlp.experts.local_experts.{j}.", f"{h}{prefix}experts.{j}."
+                gate_up = shards[fc + "linear_fc1.weight"][0].chunk(2, 0)
+                yield f"{expert}{gate}.weight", gate_up[0]
+                yield f"{expert}{up}.weight", gate_up[1]
+                yield f"{expert}{down}.weight", shards[fc + "linear_fc2.weight"][0]
+        else:
+            fc1 = [s.chunk(2, 0) for s in shards[m + "mlp.linear_fc1.weight"]]
+            yield h + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1], 0)
+            yield h + "mlp.up_proj.weight", torch.cat([u for _, u in fc1], 0)
+            yield h + "mlp.down_proj.weight", whole(m + "mlp.linear_fc2.weight", 1)
         yield h + "input_layernorm.weight", shards[m + "input_layernorm.weight"][0]
         yield h + "post_attention_layernorm.weight", shards[m + "pre_mlp_layernorm.weight"][0]
     yield "model.norm.weight", shards["decoder.final_layernorm.weight"][0]

@@ -2,7 +2,9 @@
 Megatron's DistributedDataParallel around it.
 
 Ranks form `world_size / tensor_parallel_size` data-parallel groups of `tensor_parallel_size` ranks each
-(Megatron's order: consecutive ranks share a layer).
+(Megatron's order: consecutive ranks share a layer). A mixture of experts splits its experts over
+`expert_parallel_size` consecutive ranks: each holds whole experts, and Megatron's token dispatcher sends every token
+to the ranks of its experts (the data-parallel ranks then hold different experts; everything else is replicated).
 """
 
 from __future__ import annotations
@@ -23,19 +25,25 @@ class Layout:
     tp_group: Any
     dp_rank: int
     dp_size: int
+    ep_rank: int = 0
+    ep_group: Any = None
 
 
-def initialize(tp: int) -> Layout:
+def initialize(tp: int, ep: int = 1) -> Layout:
     """Megatron's model-parallel groups over the default process group (once per process)."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, expert_model_parallel_size=ep, create_gloo_process_groups=False
+        )
     return Layout(
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_group=parallel_state.get_expert_model_parallel_group(),
     )
 
 
@@ -58,12 +66,14 @@ def build(
     tp_rank: int,
     device: torch.device,
     transformer_config: Any = None,
+    ep: int = 1,
+    ep_rank: int = 0,
 ):
-    """The GPTModel of `hf_config` holding this rank's shard of `hf_state`. When `transformer_config` asks for
-    bf16 or fp16, Megatron's Float16Module wraps it: parameters in that dtype, inputs cast in, logits out in fp32
-    (the fp32 master weights live in Megatron's mixed-precision optimizer)."""
-    model = convert.build_gpt_model(hf_config, tp)
-    assign(model, convert.hf_to_megatron(hf_state, hf_config, tp, tp_rank))
+    """The GPTModel of `hf_config` holding this rank's shard of `hf_state` (and its experts). When
+    `transformer_config` asks for bf16 or fp16, Megatron's Float16Module wraps it: parameters in that dtype, inputs
+    cast in, logits out in fp32 (the fp32 master weights live in Megatron's mixed-precision optimizer)."""
+    model = convert.build_gpt_model(hf_config, tp, ep=ep)
+    assign(model, convert.hf_to_megatron(hf_state, hf_config, tp, tp_rank, ep, ep_rank))
     model = model.to(device)
     if transformer_config is not None and (transformer_config.bf16 or transformer_config.fp16):
         from megatron.core.transformer.module import Float16Module
