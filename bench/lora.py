@@ -21,12 +21,15 @@ accuracy before and after, and wall time.
     python bench/lora.py                  # hf and SGLang engines, 3 steps of 8 prompts × 4 samples
     python bench/lora.py --demo-steps 60  # and the demo's learning, full against LoRA
     python bench/lora.py --demo-only --demo-seeds 4 --demo-engines hf  # the demo alone, four seeds per variant
+    python bench/lora.py --demo-only --demo-seeds 3 --demo-engines hf --demo-no-full \
+        --demo-lora '{"r 32": {"rank": 32, "alpha": 64}, "r 128": {"rank": 128, "alpha": 256}}'  # a rank sweep
     python bench/lora.py --quick          # the hf engine, 2 steps of 2 prompts (CI)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -60,10 +63,20 @@ def main() -> None:
     parser.add_argument("--demo-seeds", type=int, default=1, help="runs per demo variant, seeds 0 … N-1")
     parser.add_argument("--demo-engines", default="hf,sglang", help="the demo's engines, comma-separated")
     parser.add_argument("--demo-only", action="store_true", help="the demo alone, without the SmolLM2 table")
+    parser.add_argument(
+        "--demo-lora",
+        type=json.loads,
+        default={"r 8": LORA},
+        help="the demo's LoRA variants, a JSON mapping of name → train.lora (default: rank 8, alpha 16)",
+    )
+    parser.add_argument("--demo-no-full", action="store_true", help="the demo without its full fine-tuning runs")
     args = parser.parse_args()
     if args.demo_only:
         work = Path(tempfile.mkdtemp(prefix="miles-lora-demo-"))
-        report = demo_learning(args.demo_steps or 60, args.demo_lr, work, args.demo_seeds, args.demo_engines.split(","))
+        report = demo_learning(
+            args.demo_steps or 60, args.demo_lr, work, args.demo_seeds, args.demo_engines.split(","), args.demo_lora,
+            not args.demo_no_full,
+        )  # fmt: skip
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text("\n".join(report))
@@ -187,7 +200,13 @@ def main() -> None:
 
 
 def demo_learning(
-    steps: int, lora_lr: float, work: Path, seeds: int = 1, engines: list[str] | None = None
+    steps: int,
+    lora_lr: float,
+    work: Path,
+    seeds: int = 1,
+    engines: list[str] | None = None,
+    loras: dict[str, dict] | None = None,
+    full: bool = True,
 ) -> list[str]:
     """The demo trained `steps` steps, full against LoRA, on each engine and under each seed: one job per variant
     (`miles_control.sweep`, one store). Held-out accuracy every 5 steps; a run's score is its gain over the start,
@@ -201,10 +220,12 @@ def demo_learning(
         Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml",
         [f"schedule.num_steps={steps}", "rollout.eval.every_steps=5"],
     )
-    lora = {"train.lora": LORA, "train.optimizer.lr": lora_lr}
+    kinds: dict[str, dict] = {"full": {}} if full else {}
+    for name, lora in (loras or {"r 8": LORA}).items():
+        kinds[f"LoRA {name}"] = {"train.lora": lora, "train.optimizer.lr": lora_lr}
     variants = {}
     for engine in engines or ["hf", "sglang"]:
-        for kind, extra in (("full", {}), ("LoRA", lora)):
+        for kind, extra in kinds.items():
             for seed in range(seeds):
                 variants[f"{kind}, {engine}, seed {seed}"] = {"rollout.engine": {"type": engine}, "seed": seed, **extra}
     runs = sweep(base, variants, work / "demo", on_run=lambda store, run: print(f"demo {run.name}: job {run.job_id}"))
@@ -231,8 +252,8 @@ def demo_learning(
         f"## The demo's learning, full fine-tuning against LoRA ({steps} steps)",
         "",
         f"examples/arithmetic.yaml (the built-in tiny Qwen2, 64 prompts × 8 samples per step, sync schedule), "
-        f"{steps} steps; full fine-tuning at the spec's lr, LoRA rank 8 / alpha 16 on the 7 projections at lr "
-        f"{lora_lr:g}. Held-out accuracy on 500 prompts every 5 steps; gain = mean of the last three evaluations "
+        f"{steps} steps; full fine-tuning at the spec's lr, LoRA ({json.dumps(loras or {'r 8': LORA})}; the 7 "
+        f"projections unless named) at lr {lora_lr:g}. Held-out accuracy on 500 prompts every 5 steps; gain = mean of the last three evaluations "
         "less the first.",
         "",
         table(["run", "accuracy before", "at the last step", "gain", "wall s", "s per push"], rows),

@@ -3,7 +3,8 @@ with the trainer's own routing and with the engine's replayed (`train.routing_re
 
 A tiny random Qwen3-MoE or Mixtral (tests/model_matrix.py's: 4 experts, top 2, 2 layers, the arithmetic character
 vocabulary) in each dtype, served by one SGLang server that returns its routing (`rollout.engine.routed_experts`), trained by
-each of `--backends` (fsdp2: transformers' MoE modules; megatron: megatron-core's MoE layer) on one rank in this
+each of `--backends` (fsdp2: transformers' MoE modules; megatron: megatron-core's MoE layer; torchtitan: its MoE)
+on one rank in this
 process (`miles_control.inprocess.run_steps`): `--steps` GRPO steps with replay off, the engine reset to the
 checkpoint, then the same with replay on. Reported per step: `train/routing_agreement` (the
 share of position × layer pairs whose top-k the trainer and the engine agree on), and the mean and p99 of
@@ -31,7 +32,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated checkpoint dtypes")
     parser.add_argument("--families", default="qwen3_moe", help="comma-separated: qwen3_moe, mixtral")
-    parser.add_argument("--backends", default="fsdp2,megatron", help="comma-separated: fsdp2, megatron")
+    parser.add_argument(
+        "--backends", default="fsdp2,megatron,torchtitan", help="comma-separated: fsdp2, megatron, torchtitan"
+    )
     parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
     args = parser.parse_args()
 

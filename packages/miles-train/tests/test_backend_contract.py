@@ -1,7 +1,8 @@
 """Contract suite for TrainerBackend, every backend and layout against plain PyTorch and against fsdp2.
 
 Layouts (gloo, one process per rank): fsdp2 on 1 and 2 ranks; megatron TP=1, TP=2 and DP=2, and the mixtures of
-experts on one rank and with their experts over two (EP=2); torchtitan on 1 rank, TP=2 and FSDP over 2 ranks. Every run starts from the same HF checkpoint and
+experts on one rank and with their experts over two (EP=2); torchtitan on 1 rank, TP=2 and FSDP over 2 ranks, and the
+mixtures of experts on one rank and FSDP over two. Every run starts from the same HF checkpoint and
 takes the same steps on the same batch, in fp32.
 
 Parity tolerance (fp32): loss, KL, entropy and gradient norm within 1e-5 of fsdp2 on one rank
@@ -120,6 +121,9 @@ LAYOUTS = [
     # over two expert-parallel ranks (each token's hidden state travels to its experts' rank and back)
     ("megatron", 1, "mixtral"),
     ("megatron-ep2", 2, "qwen3_moe"),
+    # torchtitan's MoE (grouped experts, FSDP-sharded over two ranks in the second)
+    ("torchtitan", 1, "qwen3_moe"),
+    ("torchtitan", 2, "mixtral"),
 ]
 UNTIED = ("qwen2", "qwen3_moe", "mixtral")
 IDS = [f"{m}-{v}-ws{n}" for v, n, m in LAYOUTS]
@@ -613,8 +617,12 @@ def test_distill_checkpoints_record_the_teacher_and_resume_against_it(tiny_model
 
 
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "own-routing"])
-def test_megatron_meets_the_engines_routing_as_transformers_does(replay, tiny_qwen3_moe_dir, tmp_path):
-    """Rollout routing replay on megatron with the experts over two ranks: the engine's routing (the model's own,
+@pytest.mark.parametrize("variant", ["megatron-ep2", "torchtitan"])
+def test_the_rebuilt_backends_meet_the_engines_routing_as_transformers_does(
+    variant, replay, tiny_qwen3_moe_dir, tmp_path
+):
+    """Rollout routing replay on megatron with the experts over two ranks and on torchtitan over two FSDP ranks (each
+    rank its own rows): the engine's routing (the model's own,
     but one row's positions sent to other experts in layer 0, one position given none) gives the logprobs that transformers'
     model gives under the same routing (miles_train.routing on the HF routers), and the agreement counts the
     positions that differ."""
@@ -644,7 +652,7 @@ def test_megatron_meets_the_engines_routing_as_transformers_does(replay, tiny_qw
     assert agreement.same == agreement.total - moved
 
     mode = "json:" + json.dumps({"routed": str(tmp_path / "routed.pt"), "replay": replay, "lr": 1e-3})
-    result = run_ranks(tiny_qwen3_moe_dir, 2, tmp_path, "megatron-ep2", mode)
+    result = run_ranks(tiny_qwen3_moe_dir, 2, tmp_path, variant, mode)
     for i, row in enumerate(result["logprobs"]):
         start = batch.response_start[i] - 1
         assert torch.allclose(torch.tensor(row), expected[i, start : start + len(row)], atol=TOL), i

@@ -148,22 +148,22 @@ def test_megatron_expert_layouts_round_trip(family, ep):
         assert torch.equal(back[name], tensor), name
 
 
-def test_what_megatron_cannot_split_of_a_mixture_of_experts_is_refused_naming_the_field():
+def test_what_the_backends_cannot_split_of_a_mixture_of_experts_is_refused_naming_the_field():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    from miles_train.backends.hf_family import check_family
+    from miles_train.backends.hf_family import check_rebuildable
     from miles_train.backends.megatron import convert
 
     moe = tiny_model("qwen3_moe", vocab_size=19)
     with pytest.raises(ValueError, match="expert_parallel_size 3 must divide config.json num_local_experts"):
         convert.check_supported(moe, 1, 3)
-    with pytest.raises(ValueError, match="with tensor_parallel_size 2: split the experts .* expert_parallel_size"):
+    with pytest.raises(ValueError, match="with tensor_parallel_size 2: .* split them over ranks with expert_parallel"):
         convert.check_supported(moe, 2)
     with pytest.raises(ValueError, match="expert_parallel_size 2 needs a mixture of experts"):
         convert.check_supported(tiny_model("qwen3", vocab_size=19), 1, 2)
     with pytest.raises(ValueError, match=r"config.json mlp_only_layers: \[1\] is not supported"):
         convert.check_supported(tiny_model("qwen3_moe", vocab_size=19, mlp_only_layers=[1]), 1)
-    with pytest.raises(ValueError, match=r"torchtitan backend: config.json num_local_experts: 4 is not supported"):
-        check_family(moe, "torchtitan")
+    with pytest.raises(ValueError, match=r"torchtitan backend: a mixture of experts .* tensor_parallel_size 2"):
+        check_rebuildable(moe, "torchtitan", 2, ())
     with pytest.raises(ValueError, match=r"world_size \(2\) must be a multiple of expert_parallel_size \(4\)"):
         TrainConfig.model_validate({"backend": {"type": "megatron", "world_size": 2, "expert_parallel_size": 4}})
 

@@ -9,9 +9,10 @@ with their own (differentiable) probabilities, so the router still learns. Eithe
 its own top-k agrees with the engine's (`train/routing_agreement`).
 
 The routers are transformers' top-k router modules (`<Family>TopKRouter`: `weight`, `top_k`, `norm_topk_prob`, or
-Mixtral's, which always renormalises; forward → router logits, the chosen experts' weights, their indices), or
-megatron-core's `TopKRouter` (its `router_replay` hook chooses the top-k; tokens in its [sequence, batch] order), found
-by module name `…layers.<i>…`.
+Mixtral's, which always renormalises; forward → router logits, the chosen experts' weights, their indices),
+megatron-core's `TopKRouter` (its `router_replay` hook chooses the top-k; tokens in its [sequence, batch] order) or
+torchtitan's `TokenChoiceTopKRouter` (forward → the chosen experts' scores, their indices, every expert's score),
+found by module name `…layers.<i>…`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     found = {}
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if _is_megatron(module):
+        if _is_megatron(module) or _is_torchtitan(module):
             match = _LAYER.search(name)
             if match is None:
                 raise ValueError(f"routing replay: router {name} ({kind}) is not in a numbered layer")
@@ -79,7 +80,7 @@ def engine_routing(
         return
     assert routed is not None
     first = next(iter(found.values()))
-    top_k = first.topk if _is_megatron(first) else first.top_k
+    top_k = first.topk if _is_megatron(first) else first.top_k  # torchtitan's router: top_k too
     routed = routed.view(*routed.shape[:2], -1, top_k)  # [B, T, layers, top_k]
     patched = []
     for layer, module in found.items():
@@ -90,6 +91,8 @@ def engine_routing(
         patched.append((module, own_forward, getattr(module, "router_replay", None)))
         if _is_megatron(module):
             _MegatronReplay(routed[:, :, layer], replay, agreement).install(module)
+        elif _is_torchtitan(module):
+            module.forward = _torchtitan_replaying(module, routed[:, :, layer], replay, agreement)
         else:
             module.forward = types.MethodType(_replaying(routed[:, :, layer], replay, agreement), module)
     try:
@@ -107,6 +110,32 @@ def engine_routing(
 def _is_megatron(module: torch.nn.Module) -> bool:
     """megatron-core's top-k router: it asks its `router_replay` (None by default) for the top-k."""
     return hasattr(module, "router_replay") and hasattr(module, "topk") and hasattr(module, "gating")
+
+
+def _is_torchtitan(module: torch.nn.Module) -> bool:
+    """torchtitan's token-choice top-k router."""
+    return type(module).__name__ == "TokenChoiceTopKRouter" and hasattr(module, "route_norm")
+
+
+def _torchtitan_replaying(router: Any, engine: torch.Tensor, replay: bool, agreement: Agreement) -> Any:
+    """torchtitan's router forward, its top-k compared with the engine's ([B, T, top_k]) and, with `replay`, replaced
+    where given: the chosen experts' scores taken from every expert's (softmax) scores, renormalised and scaled as the
+    router does."""
+
+    forward = router.forward
+
+    def replaying(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        top_scores, own, scores = forward(x, *args, **kwargs)
+        k = own.shape[-1]
+        chosen = _choose(own.reshape(-1, k), engine.reshape(-1, k).long(), replay, agreement).view_as(own)
+        if not replay:
+            return top_scores, own, scores
+        weights = scores.gather(-1, chosen)
+        if router.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * router.route_scale, chosen, scores
+
+    return replaying
 
 
 def _choose(own: torch.Tensor, theirs: torch.Tensor, replay: bool, agreement: Agreement) -> torch.Tensor:

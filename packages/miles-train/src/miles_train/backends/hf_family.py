@@ -1,6 +1,6 @@
 """The HF model families the megatron and torchtitan backends rebuild (Qwen2/2.5, Qwen3, Llama, and Mistral
-without a sliding window: Llama's layer under another model_type; megatron also the mixtures of experts Qwen3-MoE and
-Mixtral), and what of their configs those rebuilds cover. Anything else is refused with the config.json field that
+without a sliding window: Llama's layer under another model_type; and the mixtures of experts Qwen3-MoE and Mixtral),
+and what of their configs those rebuilds cover. Anything else is refused with the config.json field that
 asks for it, rather than giving a model that silently drops weights or computes something else."""
 
 from __future__ import annotations
@@ -71,15 +71,11 @@ def _moe_fields(hf_config: Any) -> list[tuple[str, Any, str]]:
     return found
 
 
-def unsupported_fields(hf_config: Any, moe: bool = False) -> list[tuple[str, Any, str]]:
-    """(field, value, why) for every config.json setting the rebuilt models would not honour; with `moe`, the
-    backend rebuilds MOE_FAMILIES too."""
+def unsupported_fields(hf_config: Any) -> list[tuple[str, Any, str]]:
+    """(field, value, why) for every config.json setting the rebuilt models would not honour."""
     model_type = getattr(hf_config, "model_type", None)
-    families = SUPPORTED + MOE_FAMILIES if moe else SUPPORTED
+    families = SUPPORTED + MOE_FAMILIES
     if model_type not in families:
-        field = experts_field(hf_config)
-        if model_type in MOE_FAMILIES and field:  # a family another backend rebuilds: name what this one lacks
-            return [(field, getattr(hf_config, field), "mixture-of-experts layers are rebuilt by megatron only")]
         return [("model_type", model_type, f"the rebuilt families are {', '.join(families)}")]
     found = []
     field = experts_field(hf_config)
@@ -106,18 +102,28 @@ def unsupported_fields(hf_config: Any, moe: bool = False) -> list[tuple[str, Any
     return found
 
 
-def check_family(hf_config: Any, backend: str, moe: bool = False) -> None:
+def check_family(hf_config: Any, backend: str) -> None:
     """Raise UnsupportedModel naming the first config.json field the rebuilt model would not honour."""
-    found = unsupported_fields(hf_config, moe)
+    found = unsupported_fields(hf_config)
     if found:
         field, value, why = found[0]
         raise UnsupportedModel(f"{backend} backend: config.json {field}: {value!r} is not supported ({why})")
 
 
-def check_rebuildable(hf_config: Any, backend: str, tp: int, split: tuple[str, ...], moe: bool = False) -> None:
+def check_rebuildable(hf_config: Any, backend: str, tp: int, split: tuple[str, ...]) -> None:
     """`check_family`, then that `tp` (tensor_parallel_size) divides each config.json field in `split` (what the
-    backend splits over its tensor-parallel ranks)."""
-    check_family(hf_config, backend, moe)
+    backend splits over its tensor-parallel ranks; a dense model's `intermediate_size` too), and that a mixture of
+    experts is not split by `tp` (the backends split experts otherwise, or not at all)."""
+    check_family(hf_config, backend)
+    field = experts_field(hf_config)
+    if not field:
+        split = (*split, "intermediate_size")
+    elif tp > 1:
+        raise UnsupportedModel(
+            f"{backend} backend: a mixture of experts (config.json {field}) with tensor_parallel_size {tp}: its "
+            "experts are not split by tensor parallelism here (tensor_parallel_size 1"
+            + ("; split them over ranks with expert_parallel_size instead)" if backend == "megatron" else ")")
+        )
     for name in split:
         if getattr(hf_config, name) % tp:
             raise UnsupportedModel(

@@ -43,14 +43,7 @@ def check_supported(hf_config: Any, tp: int, ep: int = 1) -> None:
     """Raise UnsupportedModel unless Megatron's rebuilt model honours `hf_config` split over `tp` tensor-parallel
     ranks (each holding whole key-value groups) and `ep` expert-parallel ranks (each holding whole experts)."""
     field = experts_field(hf_config)
-    check_rebuildable(
-        hf_config, "megatron", tp, ("num_key_value_heads",) + (() if field else ("intermediate_size",)), moe=True
-    )
-    if field and tp > 1:
-        raise UnsupportedModel(
-            f"megatron backend: a mixture of experts (config.json {field}) with tensor_parallel_size {tp}: split "
-            "the experts over ranks with expert_parallel_size instead (tensor_parallel_size 1)"
-        )
+    check_rebuildable(hf_config, "megatron", tp, ("num_key_value_heads",))
     if ep > 1 and not field:
         raise UnsupportedModel(
             f"megatron backend: expert_parallel_size {ep} needs a mixture of experts, and config.json has no "

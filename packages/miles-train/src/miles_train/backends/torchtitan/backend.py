@@ -41,7 +41,7 @@ class TorchtitanBackend(FullStateBackend):
         self.vocab_size = self.hf_config.vocab_size
         self.padded_vocab = padded_vocab(self.vocab_size, self.tp)  # vocab-parallel layers split evenly
         self.model_config = self._model_config(self.hf_config)
-        self.adapter = convert.state_dict_adapter(self.model_config)
+        self.adapter = convert.state_dict_adapter(self.model_config, self.hf_config.model_type)
         hf_state = read_hf_state(model_path)
         self.model_path = str(model_path)
         self.model = self._build(
@@ -85,8 +85,10 @@ class TorchtitanBackend(FullStateBackend):
         vocabulary, padded alike), laid out over the same ranks."""
         if teacher is None:
             return self._build(hf_state)
-        model_config = self._model_config(load_checked_config(teacher, convert.check_supported, self.tp))
-        return self._build(read_hf_state(teacher), model_config, convert.state_dict_adapter(model_config))
+        teacher_config = load_checked_config(teacher, convert.check_supported, self.tp)
+        model_config = self._model_config(teacher_config)
+        adapter = convert.state_dict_adapter(model_config, teacher_config.model_type)
+        return self._build(read_hf_state(teacher), model_config, adapter)
 
     def _from_hf(self, hf_state: dict[str, torch.Tensor], adapter: Any = None) -> dict[str, torch.Tensor]:
         padded = {name: pad_rows(t, self.padded_vocab) if name in _VOCAB_ROWS else t for name, t in hf_state.items()}

@@ -1,10 +1,18 @@
-"""HF Qwen2 / Qwen3 / Llama config → a torchtitan model config, and the HF state-dict adapter.
+"""HF Qwen2 / Qwen3 / Llama / Qwen3-MoE / Mixtral config → a torchtitan model config, and the HF state-dict adapter.
 
 torchtitan 0.3 has no Qwen2 model; Qwen2 is Qwen3 without the q/k RMSNorm and with biases on the
 q, k and v projections, and Llama (default RoPE) is Qwen3 without either. So every family is assembled
 from torchtitan's Qwen3 parts (`Qwen3Model`, `Qwen3TransformerBlock`, `GQAttention` with separate
 q/k/v `QKVLinear`, `CosSinRoPE` — the rotate-half RoPE of HF —, SDPA causal attention), and its
 `Qwen3StateDictAdapter` learns the bias names.
+
+A mixture of experts is torchtitan's own MoE (`MoE`: `TokenChoiceTopKRouter` with softmax scores, renormalised as
+the config says, no load-balancing bias; `GroupedExperts` holding each layer's experts stacked, `w1`/`w3`/`w2` =
+gate/up/down; the scores weigh the experts' outputs, as transformers does). torchtitan's `GroupedExperts` always
+computes in bf16 (its grouped GEMM kernels); miles' `ExpertsInParamDtype` computes the same grouped GEMMs in the
+parameters' dtype, so fp32 training is fp32 (and bf16 under `train.precision: bf16`). The Qwen3 adapter stacks and
+splits the checkpoint's per-expert tensors; Mixtral's names (`block_sparse_moe.experts.<j>.w1/w3/w2`, its `gate`) are
+Qwen3-MoE's under another name.
 
 `train.lora`: PEFT injects the adapter into torchtitan's own linear modules (in place, before the model is
 parallelised on the meta device), and the adapter travels and is saved under the names PEFT gives it on the HF
@@ -17,19 +25,81 @@ the HF projections.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from miles_train import lora
-from miles_train.backends.hf_family import check_rebuildable, has_qk_norm, has_qkv_bias, head_dim, rope_parameters
+from miles_train.backends.hf_family import (
+    check_rebuildable,
+    has_qk_norm,
+    has_qkv_bias,
+    head_dim,
+    moe_ffn_size,
+    num_experts,
+    rope_parameters,
+)
 
 
 def check_supported(hf_config: Any, tp: int) -> None:
     """Raise UnsupportedModel unless torchtitan's rebuilt model honours `hf_config` split over `tp` ranks."""
-    check_rebuildable(hf_config, "torchtitan", tp, ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
+    check_rebuildable(hf_config, "torchtitan", tp, ("num_attention_heads", "num_key_value_heads"))
+
+
+def _experts_class():
+    """torchtitan's GroupedExperts computing in its parameters' dtype (torchtitan's own casts to bf16)."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class ExpertsInParamDtype(GroupedExperts):
+        """The grouped SwiGLU experts: per expert e, (silu(x W1ₑᵀ) · x W3ₑᵀ) W2ₑᵀ over its tokens (grouped GEMMs)."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+            w1, w2, w3 = (
+                w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+            )
+            offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            x = x_RD.to(w1.dtype)
+            gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+            up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+            return out.type_as(x_RD)
+
+    return ExpertsInParamDtype
+
+
+def _moe(hf_config: Any, linear: Any) -> Any:
+    """torchtitan's MoE config of a Qwen3-MoE / Mixtral layer, as transformers computes it."""
+    from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    n, k, dim = num_experts(hf_config), hf_config.num_experts_per_tok, hf_config.hidden_size
+    renormalise = hf_config.model_type == "mixtral" or bool(getattr(hf_config, "norm_topk_prob", True))
+    init = partial(nn.init.normal_, std=0.02)
+    return MoE.Config(
+        num_experts=n,
+        load_balance_coeff=None,  # no load-balancing bias on the scores: transformers has none
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=n, gate=linear(dim, n), top_k=k, score_func="softmax", route_norm=renormalise
+        ),
+        routed_experts=RoutedExperts.Config(
+            inner_experts=_experts_class().Config(
+                dim=dim,
+                hidden_dim=moe_ffn_size(hf_config),
+                num_experts=n,
+                param_init={"w1_EFD": init, "w2_EDF": init, "w3_EFD": init},
+            ),
+            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=n, top_k=k),  # local without expert parallel
+        ),
+    )
 
 
 def model_config(hf_config: Any, vocab_size: int | None = None):
@@ -76,11 +146,14 @@ def model_config(hf_config: Any, vocab_size: int | None = None):
                 inner_attention=ScaledDotProductAttention.Config(),  # causal; rows are right-padded
                 rope=rope,
             ),
-            feed_forward=FeedForward.Config(
+            feed_forward=None
+            if num_experts(hf_config)
+            else FeedForward.Config(
                 w1=linear(dim, hf_config.intermediate_size),
                 w2=linear(hf_config.intermediate_size, dim),
                 w3=linear(dim, hf_config.intermediate_size),
             ),
+            moe=_moe(hf_config, linear) if num_experts(hf_config) else None,
         )
         for _ in range(hf_config.num_hidden_layers)
     ]
@@ -97,8 +170,33 @@ def model_config(hf_config: Any, vocab_size: int | None = None):
     )
 
 
-def state_dict_adapter(config: Any):
-    """torchtitan's Qwen3 HF adapter, taught the q/k/v bias names of Qwen2."""
+# Mixtral's checkpoint names of a layer's mixture of experts → Qwen3-MoE's (what torchtitan's adapter knows)
+_MIXTRAL = [
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+    (re.compile(r"\.block_sparse_moe\.gate\."), r".mlp.gate."),
+]
+_QWEN3_MOE = [
+    (re.compile(r"\.mlp\.experts\.(\d+)\.gate_proj\."), r".block_sparse_moe.experts.\1.w1."),
+    (re.compile(r"\.mlp\.experts\.(\d+)\.up_proj\."), r".block_sparse_moe.experts.\1.w3."),
+    (re.compile(r"\.mlp\.experts\.(\d+)\.down_proj\."), r".block_sparse_moe.experts.\1.w2."),
+    (re.compile(r"\.mlp\.gate\."), r".block_sparse_moe.gate."),
+]
+
+
+def _renamed(tensors: dict[str, Any], rules: list) -> dict[str, Any]:
+    out = {}
+    for name, tensor in tensors.items():
+        for pattern, replacement in rules:
+            name = pattern.sub(replacement, name)
+        out[name] = tensor
+    return out
+
+
+def state_dict_adapter(config: Any, model_type: str = "qwen3"):
+    """torchtitan's Qwen3 HF adapter, taught the q/k/v bias names of Qwen2 and, for `model_type` mixtral, Mixtral's
+    expert names."""
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
     class Qwen2StateDictAdapter(Qwen3StateDictAdapter):
@@ -107,6 +205,15 @@ def state_dict_adapter(config: Any):
             for proj, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv")):
                 key = f"model.layers.{{}}.self_attn.{proj}.bias"
                 self.from_hf_map[key] = f"layers.{{}}.attention.qkv_linear.{name}.bias"
+
+        def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+            if model_type == "mixtral":
+                hf_state_dict = _renamed(hf_state_dict, _MIXTRAL)
+            return super().from_hf(hf_state_dict)
+
+        def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+            hf = super().to_hf(state_dict)
+            return _renamed(hf, _QWEN3_MOE) if model_type == "mixtral" else hf
 
     return Qwen2StateDictAdapter(config)
 
