@@ -1,28 +1,65 @@
-"""Rollout routing replay on a mixture of experts (issue 41): SGLang returns the experts each token was routed to,
+"""Rollout routing replay on a mixture of experts (issue 41): the engine (SGLang, or the hf engine reading
+transformers' routers) returns the experts each token was routed to,
 the samples carry them to the trainer, and with `train.routing_replay` the trainer's routers take them; the job
 reports how often the trainer's own routing agreed with the engine's (`train/routing_agreement`). The job runs on
 megatron with its experts split over two ranks (expert parallel), and on fsdp2."""
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from miles_control.config import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from model_matrix import build_model  # noqa: E402
+from model_matrix import TOY_PROMPTS, build_model  # noqa: E402
 
 
-def test_replay_needs_an_engine_that_returns_its_routing():
-    with pytest.raises(ValueError, match="train.routing_replay .* the hf engine does not return"):
-        JobSpec.model_validate({"name": "r", "rollout": {"engine": {"type": "hf"}}, "train": {"routing_replay": True}})
+@pytest.mark.parametrize("engine", ["hf", "sglang"])
+def test_replay_asks_the_engine_for_its_routing(engine):
     spec = JobSpec.model_validate(
-        {"name": "r", "rollout": {"engine": {"type": "sglang"}}, "train": {"routing_replay": True}}
+        {"name": "r", "rollout": {"engine": {"type": engine}}, "train": {"routing_replay": True}}
     )
-    assert spec.rollout.engine.routed_experts  # the servers are asked for it
+    assert spec.rollout.engine.routed_experts  # the servers (or the in-process engine) are asked for it
+
+
+def test_the_hf_engine_returns_the_routing_and_a_trainer_replays_it(tmp_path):
+    """The hf engine records its routers' choices as it decodes (prefill, then one position per step): for every row,
+    prompt + output less the last id, the experts a plain forward of those ids chooses. A trainer replaying them
+    (fsdp2, fp32) agrees with them everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    from miles_control.inprocess import run_steps
+    from miles_rollout import GenerateRequest, HFEngineConfig, SamplingParams, build_engine
+
+    model_dir = build_model("qwen3_moe", "float32", tmp_path / "moe")
+    engine = build_engine(HFEngineConfig(routed_experts=True), model_dir, seed=0)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5)
+    requests = [GenerateRequest(p, sampling, request_id=str(i)) for i, p in enumerate([[3, 13, 4, 16], [9, 16]])]
+    results = asyncio.run(engine.generate(requests))
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    routers = {int(n.split("layers.")[1].split(".")[0]): m for n, m in plain.named_modules() if n.endswith("mlp.gate")}
+    chosen: dict[int, torch.Tensor] = {}
+    for layer, router in routers.items():
+        router.register_forward_hook(lambda m, i, out, layer=layer: chosen.__setitem__(layer, out[2]))
+    for request, result in zip(requests, results, strict=True):
+        ids = request.input_ids + result.output_ids
+        assert result.routed_experts.shape == (len(ids) - 1, len(routers) * 2)  # 2 layers × top 2
+        with torch.no_grad():
+            plain(input_ids=torch.tensor([ids[:-1]]))
+        own = torch.cat([chosen[layer] for layer in sorted(chosen)], dim=-1)
+        engine_choice = result.routed_experts.long().view(len(ids) - 1, -1, 2).sort(-1).values
+        assert torch.equal(engine_choice, own.view(len(ids) - 1, -1, 2).sort(-1).values)
+
+    train = {"backend": "fsdp2", "optimizer": {"lr": 1e-3}, "routing_replay": True}
+    steps = run_steps(engine, model_dir, "float32", train, TOY_PROMPTS, num_steps=2)
+    assert all(step["weights_match"] for step in steps)
+    assert [step["train/routing_agreement"] for step in steps] == [1.0, 1.0]  # fp32: the same choices
+    engine.shutdown()
 
 
 def test_replay_on_a_dense_model_is_refused_before_the_job_starts(tmp_path):

@@ -112,6 +112,21 @@ def test_episode_layout_masks_environment_tokens():
         episode.end("oops")
 
 
+def test_an_episode_carries_the_routing_its_last_model_turn_read():
+    """A mixture of experts: each model turn's routing covers every id it read and generated but its last; the
+    last model turn read all before it, so its routing is the sample's (a later environment turn has none)."""
+    episode = Episode([5, 6])
+    episode.add_model([7, 8], [-0.5, -0.25], [0], "ab", routed_experts=torch.zeros(2 + 2 - 1, 4, dtype=torch.int16))
+    episode.add_env([9, 9, 9], [{"role": "tool", "content": "xyz"}])
+    last = torch.arange(7 * 4, dtype=torch.int16).view(7, 4)  # 2 prompt + 2 + 3 env ids read, 1 generated, less 1
+    episode.add_model([10], [-1.0], [1], "c", routed_experts=last)
+    episode.add_env([11], [{"role": "tool", "content": "w"}])
+    episode.end("max_turns")
+    assert torch.equal(episode.to_sample(PromptRecord("p", "l")).routed_experts, last)
+    with pytest.raises(ValueError, match="routing covers 3 positions; it read 9 ids and generated 1, so 9"):
+        episode.add_model([12], [-1.0], [1], "d", routed_experts=torch.zeros(3, 4, dtype=torch.int16))
+
+
 def test_check_sample_names_the_function_and_value():
     episode = Episode([1, 2])
     episode.add_model([3, 4], [-0.1, -0.2], [0], "x")

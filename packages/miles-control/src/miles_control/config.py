@@ -324,16 +324,11 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _routing_replay_has_routing(self) -> JobSpec:
-        """train.routing_replay replays what the engine returns: SGLang returns it once asked
-        (rollout.engine.routed_experts, turned on here); the hf engine does not."""
+        """train.routing_replay replays what the engine returns: both engines return it once asked
+        (rollout.engine.routed_experts, turned on here)."""
         if not self.train.routing_replay:
             return self
         engine = self.rollout.engine
-        if engine.type != "sglang":
-            raise ValueError(
-                f"train.routing_replay replays the experts the engine routed each token to, which the {engine.type} "
-                "engine does not return; use rollout.engine.type: sglang"
-            )
         if not engine.routed_experts:
             self.rollout.engine = engine.model_copy(update={"routed_experts": True})
         return self

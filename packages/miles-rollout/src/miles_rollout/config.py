@@ -44,6 +44,11 @@ class HFEngineConfig(_Strict):
     )
     max_batch_size: int = Field(1024, gt=0, description="Sequences decoded together in one forward pass.")
     num_threads: int | None = Field(None, gt=0, description="torch threads for this engine; None keeps torch's.")
+    routed_experts: bool = Field(
+        False,
+        description="A mixture of experts: every sample carries the experts each token was routed to (read from "
+        "transformers' routers as it decodes), for train.routing_replay and train/routing_agreement.",
+    )
 
     # What the job's planner and checks ask an engine config (SGLangEngineConfig answers the same questions).
 

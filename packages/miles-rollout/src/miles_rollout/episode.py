@@ -4,7 +4,8 @@ An episode is its prompt ids followed by segments: model turns (the ids the engi
 it reported and the weight versions it used) and environment turns (observations and tool results, tokenized
 once). `Episode.to_sample` lays them out for the trainer unchanged: the trainer's input is the prompt ids and
 every segment's ids in order, its loss mask covers the model's tokens only (environment tokens get mask 0 and a
-placeholder logprob of 0.0 that no loss reads). Nothing is decoded and encoded again between engine and trainer.
+placeholder logprob of 0.0 that no loss reads). Nothing is decoded and encoded again between engine and trainer, so
+a mixture of experts' routing of the last model turn (it read every id before it) is the routing of the sample.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Segment:
     weight_versions: list[int] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)  # model turns: the version of each id
     num_messages: int = 0  # environment turns: how many transcript messages it stands for
+    # model turns, a mixture of experts: the engine's routing of every id it read and generated but the last
+    # ([positions, layers × top_k], GenerateResult.routed_experts), when it returned one
+    routed_experts: Any = None
 
 
 @dataclass
@@ -70,11 +74,19 @@ class Episode:
         weight_versions: list[int],
         text: str,
         token_versions: list[int] | None = None,
+        routed_experts: Any = None,
     ) -> None:
         if len(ids) != len(logprobs):
             raise ValueError(f"a model turn of {len(ids)} ids came with {len(logprobs)} logprobs")
+        if routed_experts is not None and len(routed_experts) != self.num_tokens + len(ids) - 1:
+            raise ValueError(
+                f"a model turn's routing covers {len(routed_experts)} positions; it read {self.num_tokens} ids and "
+                f"generated {len(ids)}, so {self.num_tokens + len(ids) - 1} were routed"
+            )
         per_id = list(token_versions) if token_versions and len(token_versions) == len(ids) else []
-        self.segments.append(Segment("model", list(ids), text, list(logprobs), list(weight_versions), per_id))
+        segment = Segment("model", list(ids), text, list(logprobs), list(weight_versions), per_id)
+        segment.routed_experts = routed_experts
+        self.segments.append(segment)
         self.messages.append({"role": "assistant", "content": text})
 
     def add_env(self, ids: list[int], messages: list[dict[str, Any]]) -> None:
@@ -139,7 +151,8 @@ class Episode:
             if weight_version is None:
                 raise ValueError("to_sample: an episode without a model turn needs the engine's weight_version")
             versions, status = [weight_version], SampleStatus.ABORTED
-        last = next((s.text for s in reversed(self.segments) if s.kind == "model"), "")
+        last_turn = next((s for s in reversed(self.segments) if s.kind == "model"), None)
+        last = last_turn.text if last_turn is not None else ""
         return Sample(
             group_index=group_index,
             prompt=record.prompt,
@@ -153,6 +166,9 @@ class Episode:
             weight_versions=versions,
             metadata={**record.metadata, "episode": self.summary()},
             token_versions=per_id if self.num_turns else [],
+            # the last model turn read every id before it: its routing covers the sample up to its own last id (an
+            # environment turn after it was never read, and keeps the trainer's own routing)
+            routed_experts=last_turn.routed_experts if last_turn is not None else None,
         )
 
 

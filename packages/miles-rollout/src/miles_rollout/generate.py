@@ -183,8 +183,9 @@ async def _run_episode(
         result = await client.generate(episode.ids(), turn_sampling, request_id=f"{request_id}-t{turn}")
         text = ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         episode.add_model(
-            result.output_ids, result.output_logprobs, result.weight_versions, text, result.versions_per_token()
-        )
+            result.output_ids, result.output_logprobs, result.weight_versions, text, result.versions_per_token(),
+            result.routed_experts,
+        )  # fmt: skip
         if result.finish_reason == FinishReason.ABORT:
             episode.end("abort")
             break

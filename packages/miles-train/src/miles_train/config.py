@@ -338,7 +338,7 @@ class TrainConfig(_Strict):
     routing_replay: bool = Field(
         False,
         description="A mixture of experts: the trainer's routers send each token to the experts the engine chose at "
-        "rollout (SGLang returns them), weighed with the trainer's own router probabilities. Off, the trainer "
+        "rollout (the engine returns them), weighed with the trainer's own router probabilities. Off, the trainer "
         "routes on its own; either way train/routing_agreement reports how often both chose the same experts.",
     )
     policy_weights: Literal["auto", "master", "pushed"] = Field(

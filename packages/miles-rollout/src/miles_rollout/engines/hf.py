@@ -3,7 +3,8 @@
 Batched decoding with a KV cache, per-token logprobs, temperature / top-p / max tokens / stop
 tokens. It is the light default where SGLang is not installed and the engine of fast unit tests.
 Logprobs are those of the temperature-scaled distribution before top-p filtering, which is what a
-trainer can recompute.
+trainer can recompute. With `routed_experts` (a mixture of experts), a forward hook on each of transformers' top-k
+routers records the experts every fed position went to, as SGLang returns them.
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ class HFEngine:
         self._abort = False
         self._aborted_ids: set[str] = set()  # abort_requests(): rows that end at their next token
         self._weights_lock = threading.Lock()
+        self._routers = _routers(self.model) if config.routed_experts else {}
+        if config.routed_experts and not self._routers:
+            raise ValueError(
+                "hf engine: rollout.engine.routed_experts needs a mixture of experts; the model has no top-k router"
+            )
 
     def _pushed_params(self) -> dict[str, torch.Tensor]:
         """What a push replaces, by the names it travels under: every checkpoint tensor (a tied head once, as the
@@ -167,7 +173,8 @@ class HFEngine:
         versions: list[list[int]] = [[] for _ in requests]  # every version a row ran under, in order
 
         cache = DynamicCache()
-        with self._weights_lock:
+        routing = _Routing(self._routers, batch) if self._routers else None
+        with self._weights_lock, _recording(routing):
             version = self._versions.version  # of the weights these logits come from
             logits = self.model(
                 input_ids=input_ids,
@@ -204,7 +211,7 @@ class HFEngine:
                 break
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
             positions = positions[:, -1:] + 1
-            with self._weights_lock:
+            with self._weights_lock, _recording(routing):
                 version = self._versions.version
                 logits = self.model(
                     input_ids=tokens[:, None],
@@ -214,7 +221,15 @@ class HFEngine:
                     use_cache=True,
                 ).logits[:, -1]
         return [
-            GenerateResult(r.request_id, out_ids[i], out_lps[i], reasons[i], versions[i], out_versions[i])
+            GenerateResult(
+                r.request_id,
+                out_ids[i],
+                out_lps[i],
+                reasons[i],
+                versions[i],
+                out_versions[i],
+                routed_experts=None if routing is None else routing.of_row(i, lengths[i], len(out_ids[i])),
+            )  # fmt: skip
             for i, r in enumerate(requests)
         ]
 
@@ -303,3 +318,58 @@ class HFEngine:
     def shutdown(self) -> None:
         self._resumed.set()
         self._open.set()
+
+
+def _routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """transformers' top-k routers of a mixture of experts by layer index (their forward returns the router logits,
+    the chosen experts' weights and their indices)."""
+    import re
+
+    found = {}
+    for name, module in model.named_modules():
+        match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if type(module).__name__.endswith("TopKRouter") and match is not None:
+            found[int(match.group(1))] = module
+    return found
+
+
+class _Routing:
+    """The experts each fed position of a decoding batch went to: per forward, per layer, [batch × positions, top_k]
+    from the routers' outputs (prefill: every left-padded prompt position; then one position per decode step)."""
+
+    def __init__(self, routers: dict[int, torch.nn.Module], batch: int) -> None:
+        self.routers, self.batch = routers, batch
+        self.layers = sorted(routers)
+        self.forwards: list[dict[int, torch.Tensor]] = []
+
+    def hook(self, layer: int):
+        def record(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            self.forwards[-1][layer] = output[2].detach().to(torch.int16)
+
+        return record
+
+    def of_row(self, row: int, prompt_len: int, num_out: int) -> torch.Tensor:
+        """[positions, layers × top_k] of prompt + output less the last id (the last id is never fed)."""
+        steps = []
+        for forward in self.forwards:
+            per_layer = [forward[layer].view(self.batch, -1, forward[layer].shape[-1])[row] for layer in self.layers]
+            steps.append(torch.cat(per_layer, dim=-1))  # [positions of this forward, layers × top_k]
+        prefill, decoded = steps[0][-prompt_len:], steps[1:num_out]
+        return torch.cat([prefill, *decoded], dim=0)
+
+
+class _recording:
+    """Within the block, each router's top-k of one forward goes to `routing` (nothing when it is None)."""
+
+    def __init__(self, routing: _Routing | None) -> None:
+        self.routing = routing
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> None:
+        if self.routing is not None:
+            self.routing.forwards.append({})
+            self.handles = [r.register_forward_hook(self.routing.hook(i)) for i, r in self.routing.routers.items()]
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
