@@ -12,6 +12,11 @@ share of position × layer pairs whose top-k the trainer and the engine agree on
 
     python bench/routing_replay.py            # bf16 and fp32, 4 steps each
     python bench/routing_replay.py --families mixtral --dtypes bfloat16 --steps 2 --backends megatron
+    python bench/routing_replay.py --experts 16 --top-k 4 --router-scale 0.02 --dtypes bfloat16 --backends fsdp2
+
+`--experts`, `--top-k` and `--router-scale` reshape the tiny model: more experts, and router weights scaled down so
+that the experts' scores lie close together (near-ties that bf16 arithmetic breaks differently in the engine and
+the trainer), the regime where routing replay has something to correct.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ def main() -> None:
     parser.add_argument(
         "--backends", default="fsdp2,megatron,torchtitan", help="comma-separated: fsdp2, megatron, torchtitan"
     )
+    parser.add_argument("--experts", type=int, default=None, help="experts per layer (default: the tiny model's 4)")
+    parser.add_argument("--top-k", type=int, default=None, help="experts per token (default: 2)")
+    parser.add_argument("--router-scale", type=float, default=1.0, help="multiplies every router's weights")
     parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
     args = parser.parse_args()
 
-    from model_matrix import TOY_PROMPTS, build_model
+    from model_matrix import TOY_PROMPTS
 
     from miles_control.inprocess import reset_engine, run_steps
     from miles_rollout import build_engine
@@ -47,7 +55,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="miles-routing-"))
     rows = []
     for family, dtype in [(f, d) for f in args.families.split(",") for d in args.dtypes.split(",")]:
-        model = build_model(family, dtype, work / f"{family}-{dtype}")
+        model = _model(family, dtype, work / f"{family}-{dtype}", args.experts, args.top_k, args.router_scale)
         config = SGLangEngineConfig(
             type="sglang", max_total_tokens=4096, log_dir=str(work / "logs"), routed_experts=True
         )
@@ -72,7 +80,8 @@ def main() -> None:
         "",
         machine(),
         "",
-        f"Tiny mixtures of experts (4 experts, top 2, 2 layers), SGLang on this machine, each backend on one rank, 16 prompts × 4 "
+        f"Tiny mixtures of experts ({args.experts or 4} experts, top {args.top_k or 2}, 2 layers, router weights × "
+        f"{args.router_scale:g}), SGLang on this machine, each backend on one rank, 16 prompts × 4 "
         f"samples per step, {args.steps} steps with replay off, then on (the engine reset to the checkpoint).",
         "",
         table(
@@ -93,6 +102,29 @@ def main() -> None:
     if args.out is not None:
         args.out.write_text("\n".join(report))
     print("\n".join(report))
+
+
+def _model(family: str, dtype: str, folder: Path, experts: int | None, top_k: int | None, router_scale: float) -> Path:
+    """tests/model_matrix.py's tiny model of `family`, with `experts` per layer, `top_k` per token and its routers'
+    weights multiplied by `router_scale`."""
+    from safetensors.torch import load_file, save_file
+
+    from miles_control.tiny_models import save_tiny_model, tiny_model
+    from miles_rollout.tasks.arithmetic import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    shape = {"num_local_experts": experts} if experts else {}
+    shape |= {"num_experts_per_tok": top_k} if top_k else {}
+    config = tiny_model(family, tokenizer=tokenizer, max_position_embeddings=256, **shape)
+    model = save_tiny_model(folder, config, tokenizer=tokenizer, seed=sum(map(ord, family)), dtype=dtype)
+    if router_scale != 1.0:
+        path = model / "model.safetensors"
+        tensors = load_file(str(path))
+        for name in tensors:
+            if name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                tensors[name] = tensors[name] * router_scale
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return model
 
 
 if __name__ == "__main__":
