@@ -13,6 +13,7 @@ share of position × layer pairs whose top-k the trainer and the engine agree on
     python bench/routing_replay.py            # bf16 and fp32, 4 steps each
     python bench/routing_replay.py --families mixtral --dtypes bfloat16 --steps 2 --backends megatron
     python bench/routing_replay.py --experts 16 --top-k 4 --router-scale 0.02 --dtypes bfloat16 --backends fsdp2
+    python bench/routing_replay.py --quick    # one step each way, one cell (tests/test_bench.py)
 
 `--experts`, `--top-k` and `--router-scale` reshape the tiny model: more experts, and router weights scaled down so
 that the experts' scores lie close together (near-ties that bf16 arithmetic breaks differently in the engine and
@@ -44,7 +45,13 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=None, help="experts per token (default: 2)")
     parser.add_argument("--router-scale", type=float, default=1.0, help="multiplies every router's weights")
     parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
+    parser.add_argument(
+        "--quick", action="store_true", help="one step each way: Mixtral in bf16 on fsdp2, 8 experts, routers × 0.05"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.families, args.dtypes, args.backends = 1, "mixtral", "bfloat16", "fsdp2"
+        args.experts, args.router_scale = 8, 0.05
 
     from model_matrix import TOY_PROMPTS
 
@@ -107,16 +114,12 @@ def main() -> None:
 def _model(family: str, dtype: str, folder: Path, experts: int | None, top_k: int | None, router_scale: float) -> Path:
     """tests/model_matrix.py's tiny model of `family`, with `experts` per layer, `top_k` per token and its routers'
     weights multiplied by `router_scale`."""
+    from model_matrix import build_model
     from safetensors.torch import load_file, save_file
 
-    from miles_control.tiny_models import save_tiny_model, tiny_model
-    from miles_rollout.tasks.arithmetic import build_char_tokenizer
-
-    tokenizer = build_char_tokenizer()
     shape = {"num_local_experts": experts} if experts else {}
     shape |= {"num_experts_per_tok": top_k} if top_k else {}
-    config = tiny_model(family, tokenizer=tokenizer, max_position_embeddings=256, **shape)
-    model = save_tiny_model(folder, config, tokenizer=tokenizer, seed=sum(map(ord, family)), dtype=dtype)
+    model = build_model(family, dtype, folder, **shape)
     if router_scale != 1.0:
         path = model / "model.safetensors"
         tensors = load_file(str(path))

@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,13 +78,14 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def build_model(family: str, dtype: str, folder: Path) -> Path:
-    """A tiny random-weight model of `family` with the arithmetic character tokenizer, saved in `dtype`."""
+def build_model(family: str, dtype: str, folder: Path, **overrides: Any) -> Path:
+    """A tiny random-weight model of `family` with the arithmetic character tokenizer, saved in `dtype`; `overrides`
+    are config fields (e.g. `num_local_experts`)."""
     from miles_control.tiny_models import save_tiny_model, tiny_model
     from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    config = tiny_model(family, tokenizer=tokenizer, max_position_embeddings=256)
+    config = tiny_model(family, tokenizer=tokenizer, max_position_embeddings=256, **overrides)
     return save_tiny_model(folder, config, tokenizer=tokenizer, seed=sum(map(ord, family)), dtype=dtype)
 
 

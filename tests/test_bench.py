@@ -272,3 +272,16 @@ def test_paused_load_bench_reports_each_scenario(tmp_path):
     for row in rows:
         pause, load, verify = (float(c) for c in row[2:5])
         assert load > 0 and verify > 0 and pause >= 0, row
+
+
+@pytest.mark.extended  # a measurement for the docs; replay runs end to end in tests/test_routing_replay.py
+@pytest.mark.sglang
+def test_routing_replay_bench_reports_agreement_and_logprob_differences_both_ways(tmp_path):
+    report = run_bench("routing_replay.py", tmp_path)
+    assert "8 experts, top 2" in report and "router weights × 0.05" in report
+    rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| mixtral")]
+    assert sorted(r[3].strip() for r in rows) == ["off", "on"]
+    for row in rows:
+        agreement, mean, p99 = (float(row[i]) for i in (5, 6, 7))
+        assert 0.5 < agreement <= 1.0, row  # a share of (position, layer) pairs; most agree in bf16
+        assert 0 < mean <= p99 < 0.1, row  # bf16 differs a little, never by much
