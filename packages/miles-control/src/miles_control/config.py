@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from miles_control.model_sources import (
     BuiltinModelConfig,
@@ -33,7 +33,7 @@ from miles_control.schedule_config import (
     schedule_config,
 )
 from miles_rollout.config import DataConfig, RolloutConfig
-from miles_sync.config import DiskSync, SyncConfig
+from miles_sync.config import DiskSync, SpecModel, SyncConfig
 from miles_train.config import TrainConfig
 
 __all__ = [
@@ -69,8 +69,8 @@ __all__ = [
 DEFAULT_STORE_URL = "sqlite:///.miles/miles.db"  # the store of `miles run`, `miles serve` and the CLI by default
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
+class _Strict(SpecModel):
+    """A section of the job spec: unknown fields, inf/NaN and booleans for numbers are refused (miles_sync.config)."""
 
 
 class _TrackerBase(_Strict):

@@ -91,6 +91,20 @@ def _open_hf(config: DataConfig) -> Any:
     assert path is not None
     local = Path(path).expanduser()
     try:
+        if not local.is_absolute() and not path.startswith((".", "~")) and not glob.has_magic(path):
+            # A relative path is a Hub id (a job file's paths are made absolute when it is loaded, an API job's by the
+            # server's policy): looked up in the Hugging Face cache only, never opened from the working directory.
+            from miles_control.config import check_repo_id
+
+            try:
+                check_repo_id(path)
+            except ValueError as exc:
+                raise PromptDataError(
+                    f"data.path: {path} is neither a Hub id nor an absolute path (a local path is absolute or starts "
+                    f"with ./): {exc}"
+                ) from None
+            folder = snapshot(path, "data.path", repo_type="dataset", revision=config.revision)
+            return datasets.load_dataset(str(folder))
         if glob.has_magic(path) or local.is_file():
             files = sorted(glob.glob(str(local))) if glob.has_magic(path) else [str(local)]
             if not files:
@@ -107,16 +121,7 @@ def _open_hf(config: DataConfig) -> Any:
             if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
                 return datasets.load_from_disk(str(local))
             return datasets.load_dataset(str(local))
-        if local.is_absolute() or path.startswith((".", "~")):
-            raise PromptDataError(f"data.path: {path} does not exist")
-        from miles_control.config import check_repo_id
-
-        try:
-            check_repo_id(path)
-        except ValueError as exc:
-            raise PromptDataError(f"data.path: {path} is neither a local file or folder nor a Hub id: {exc}") from None
-        folder = snapshot(path, "data.path", repo_type="dataset", revision=config.revision)
-        return datasets.load_dataset(str(folder))
+        raise PromptDataError(f"data.path: {path} does not exist")
     except (PromptDataError, HubError):
         raise
     except Exception as exc:  # the datasets library raises many types, for files and for layouts

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from miles_rollout.config import check_revision
+from miles_sync.config import SpecModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
+class _Strict(SpecModel):
+    """A section of the job spec: unknown fields, inf/NaN and booleans for numbers are refused (miles_sync.config)."""
 
 
 class BuiltinModelConfig(_Strict):
@@ -100,6 +103,11 @@ class HubModelConfig(_Strict):
     @classmethod
     def _repo_id(cls, value: str) -> str:
         return check_repo_id(value)
+
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, value: str | None) -> str | None:
+        return None if value is None else check_revision(value)
 
 
 def check_repo_id(value: str) -> str:

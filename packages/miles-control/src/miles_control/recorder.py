@@ -3,14 +3,18 @@ to the job's experiment trackers (miles_control.tracking) beside it."""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_control.journal import RunRecords
+from miles_control.redact import mask_credentials, masked
 
 if TYPE_CHECKING:
     from miles_control.tracking import Trackers
+    from miles_rollout.engines.sglang.recovery import EngineRestart
 
 
 class Recorder:
@@ -21,6 +25,7 @@ class Recorder:
         self.store = store
         self.job_id = job_id
         self.trackers = trackers
+        self.num_engine_restarts = 0  # of this attempt's engine servers
 
     def span(
         self,
@@ -44,14 +49,30 @@ class Recorder:
             self.trackers.log(step, metrics)
 
     def event(self, kind: str, message: str, step: int | None = None, **data: Any) -> None:
-        self.store.add_event(self.job_id, kind, message, step, data)
+        """Record an event; a URL's password in it (a tracker's MLflow URI, an error quoting a URL) is masked: every
+        reader of the API sees a job's events."""
+        self.store.add_event(self.job_id, kind, mask_credentials(message), step, masked(data))
+
+    def engine_restarts(self, step: int, restarts: Sequence[EngineRestart]) -> dict[str, float]:
+        """Record each restart of an engine server as an `engine_restart` event of `step` (the server, its exit code,
+        why, and both logs); returns the running count, `rollout/engine_restarts`, for the step's metrics."""
+        for restart in restarts:
+            self.event("engine_restart", restart.describe(), step=step, **dataclasses.asdict(restart))
+        self.num_engine_restarts += len(restarts)
+        return {"rollout/engine_restarts": float(self.num_engine_restarts)}
 
     def step(self, step: int, weight_version: int, start: float, end: float) -> None:
         self.store.add_step(self.job_id, step, weight_version, start, end)
 
-    def checkpoint(self, step: int, weight_version: int, path: Path) -> None:
+    def checkpoint(self, step: int, weight_version: int, path: Path, keep: int | None = None) -> None:
+        """Record a saved checkpoint; with `keep`, delete all but the newest `keep` (their rows and folders)."""
         self.store.add_checkpoint(self.job_id, step, weight_version, str(path))
         self.event("checkpoint", f"saved {path}", step=step, path=str(path))
+        if keep is None:
+            return
+        for old in self.store.prune_checkpoints(self.job_id, keep):
+            shutil.rmtree(old, ignore_errors=True)  # on another node without a shared path: that node's to clean
+            self.event("checkpoint_pruned", f"deleted {old} (schedule.keep_checkpoints={keep})", step=step, path=old)
 
     def samples(self, step: int, samples: Sequence[Any], limit: int) -> None:
         """Keep the first sample of each of the first `limit` groups: a bounded, readable slice of a step."""

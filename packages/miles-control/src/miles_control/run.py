@@ -19,7 +19,7 @@ from miles_control.config import JobSpec
 from miles_control.journal import JobJournal
 from miles_control.recorder import Recorder
 from miles_control.schedules.control import JobCancelled
-from miles_control.status import InvalidTransition, JobStatus
+from miles_control.status import FencedOut, InvalidTransition, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ def run_job(
         attempt = store.start_attempt(job_id, "inline", driver_pid=os.getpid(), driver_host=socket.gethostname())
     else:
         attempt = next(a for a in store.attempts(job_id) if a.id == attempt_id)
+    store = store.fenced(attempt.id)  # every write checks that this attempt still owns the job
     recorder = Recorder(store, job_id)
     if spec.tracking:
         recorder.trackers = _start_trackers(spec, job_id, recorder)
@@ -161,6 +162,10 @@ def run_job(
             runtime.checkpoint(steps)
         store.set_status(job_id, JobStatus.SUCCEEDED)
         outcome = "succeeded"
+    except FencedOut as exc:  # another attempt owns the job now: leave its records alone, write nothing more
+        log.error("job %d: %s; stopping", job_id, exc)
+        outcome = ""
+        raise
     except (KeyboardInterrupt, JobCancelled) as exc:
         reason = "cancelled" if store.job(job_id).cancel_requested else f"interrupted ({type(exc).__name__})"
         _finish(store, job_id, JobStatus.CANCELLED, error=reason)
@@ -176,7 +181,11 @@ def run_job(
             raise
         raise plain from None  # the actor's own error; its remote traceback is in the event above
     finally:
-        store.end_attempt(attempt.id, outcome)
+        if outcome:
+            try:
+                store.end_attempt(attempt.id, outcome)
+            except FencedOut as exc:
+                log.error("job %d: %s", job_id, exc)
         if runtime is not None:
             runtime.shutdown()
         if recorder.trackers is not None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from miles_rollout.config import PauseMode
+from miles_sync.config import SpecModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
+class _Strict(SpecModel):
+    """A section of the job spec: unknown fields, inf/NaN and booleans for numbers are refused (miles_sync.config)."""
 
 
 ScheduleType = Literal["sync", "one_step_off", "fully_async"]
@@ -31,6 +32,9 @@ class ScheduleBase(_Strict):
     save_final: bool = Field(False, description="Save a trainer checkpoint at the end of the run.")
     checkpoint_every: int = Field(
         0, ge=0, description="Save a trainer checkpoint every N steps (0 = never); a resumed job starts after the last."
+    )
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Checkpoints kept on disk, the newest; an older one is deleted when a new one is saved."
     )
     max_restarts: int = Field(
         0,

@@ -42,3 +42,12 @@ class InvalidTransition(ValueError):
             f"(from {current}: {', '.join(allowed) if allowed else 'no further change'})"
         )
         self.job_id, self.current, self.wanted = job_id, current, wanted
+
+
+class FencedOut(RuntimeError):
+    """A write by a driver whose attempt no longer owns its job: the attempt was ended (judged lost, or replaced by
+    a resume) or a newer attempt exists. The store refuses it, so two drivers never write one job's records."""
+
+    def __init__(self, job_id: int, attempt_id: int, why: str) -> None:
+        super().__init__(f"job {job_id}: attempt {attempt_id} no longer owns the job ({why}); its writes are refused")
+        self.job_id, self.attempt_id = job_id, attempt_id

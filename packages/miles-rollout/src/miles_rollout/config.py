@@ -5,14 +5,16 @@ from __future__ import annotations
 import importlib.util
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from miles_sync.config import SpecModel
 
 PauseMode = Literal["in_place", "retract", "abort"]
 Operation = Literal["+", "-", "*"]  # arithmetic task operators
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
+class _Strict(SpecModel):
+    """A section of the job spec: unknown fields, inf/NaN and booleans for numbers are refused (miles_sync.config)."""
 
 
 def _flag(extra_args: list[str], flags: tuple[str, ...], default: int) -> int:
@@ -333,6 +335,23 @@ class RolloutConfig(_Strict):
         return self
 
 
+def check_revision(value: str) -> str:
+    """A Hub revision as git names refs (a branch, tag, `refs/pr/1`, or a commit): no `..`, no leading or trailing
+    `/`, none of the characters git refuses. The cache keeps a revision as a file name under the repository's folder,
+    so a revision that is a path (`../x`) would read elsewhere; raise for it."""
+    import re
+
+    if (
+        not re.fullmatch(r"[A-Za-z0-9._/-]{1,255}", value)
+        or ".." in value
+        or "//" in value
+        or value.startswith(("/", ".", "-"))
+        or value.endswith(("/", ".", ".lock"))
+    ):
+        raise ValueError(f"{value!r} is not a revision (a branch, tag or commit, like 'main' or 'refs/pr/1')")
+    return value
+
+
 class DataConfig(_Strict):
     """Prompts from a JSONL or Parquet file, from any dataset the `datasets` library reads (`source: hf`), or from
     the built-in arithmetic generator."""
@@ -353,6 +372,12 @@ class DataConfig(_Strict):
         None, gt=0, lt=1, description="source=hf: hold out this share of `split` (a seeded shuffle) for evaluation."
     )
     revision: str | None = Field(None, description="source=hf, a Hub id: a branch, tag or commit.")
+
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, value: str | None) -> str | None:
+        return None if value is None else check_revision(value)
+
     map: str | None = Field(
         None,
         description="source=hf: a function by dotted path (`module:function`) applied to every row (a dict) before "

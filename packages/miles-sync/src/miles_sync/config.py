@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import typing
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    model_validator,
+)
 
 TransportName = Literal["inproc", "disk", "tensor", "broadcast", "p2p"]
 WireDtype = Literal["float32", "bfloat16", "float16"]
@@ -25,11 +35,41 @@ def holds_exactly(held: str, sent: str) -> bool:
     return held == sent or (held == "float32" and sent in ("bfloat16", "float16"))
 
 
-class SyncBase(BaseModel):
+def _types(annotation: Any) -> set[Any]:
+    """The plain types an annotation admits, through unions, Optional and Literal (whose values count by type)."""
+    if typing.get_origin(annotation) is Literal:
+        return {type(v) for v in typing.get_args(annotation)}
+    args = typing.get_args(annotation)
+    return set().union(*(_types(a) for a in args)) if args else {annotation}
+
+
+@functools.cache
+def _number_only(model: type[BaseModel], name: str) -> bool:
+    """Whether field `name` of `model` takes numbers and not booleans."""
+    types = _types(model.model_fields[name].annotation)
+    return bool(types & {int, float}) and bool not in types
+
+
+class SpecModel(BaseModel):
+    """The base of every section of a job spec, in every package: unknown fields are errors, no inf or NaN (JSON and
+    the store cannot hold them), and a number field refuses `true` / `false` (pydantic would read `num_steps: true`
+    as 1: a typo must not become a setting)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if isinstance(value, bool) and name in cls.model_fields and _number_only(cls, name):
+                    raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
+        return data
+
+
+class SyncBase(SpecModel):
     """Fields every transport has; one subclass per transport adds its own (`SyncConfig` is their union,
     told apart by `transport`)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
 
     transport: TransportName
     bucket_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Maximum bytes per bucket.")

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from miles_sync.config import QUANT_DESCRIPTION, QuantFormat
+from miles_sync.config import QUANT_DESCRIPTION, QuantFormat, SpecModel
 from miles_train.stored import upgrade_train_spec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # no inf or NaN: JSON and the store cannot hold them
+class _Strict(SpecModel):
+    """A section of the job spec: unknown fields, inf/NaN and booleans for numbers are refused (miles_sync.config)."""
 
 
 class FSDP2Config(_Strict):

@@ -14,6 +14,7 @@ from typing import Any
 from miles_control.config import JobSpec
 from miles_control.launch.launcher import job_demand
 from miles_control.settings import JobLimits, ServerSettings
+from miles_control.spec_paths import is_hub_dataset, path_values
 
 Problem = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -33,39 +34,95 @@ def confine(root: Path, raw: str) -> Path | None:
     return path if path == root or root in path.parents else None
 
 
-LIMITED: dict[str, tuple[str, ...]] = {  # JobLimits field → the spec field it bounds
-    "world_size": ("train", "backend", "world_size"),
-    "num_engines": ("rollout", "engine", "num_engines"),
-    "num_steps": ("schedule", "num_steps"),
-    "max_minutes": ("schedule", "max_minutes"),
-    "num_prompts_per_step": ("rollout", "num_prompts_per_step"),
-    "num_samples_per_prompt": ("rollout", "num_samples_per_prompt"),
-    "max_new_tokens": ("rollout", "sampling", "max_new_tokens"),
-    "max_total_tokens": ("rollout", "engine", "max_total_tokens"),
-    "hidden_size": ("model", "hidden_size"),
-    "num_layers": ("model", "num_layers"),
-    "intermediate_size": ("model", "intermediate_size"),
-    "warm_start_steps": ("model", "warm_start_steps"),
-    "min_trainer_cpus_per_rank": ("ray", "trainer_cpus_per_rank"),
-    "min_rollout_cpus": ("ray", "rollout_cpus"),
+LIMITED: dict[str, tuple[tuple[str, ...], ...]] = {  # JobLimits field → the spec fields it bounds
+    "world_size": (
+        ("train", "backend", "world_size"),
+        ("train", "backend", "tensor_parallel_size"),
+        ("train", "backend", "expert_parallel_size"),
+    ),
+    "num_engines": (("rollout", "engine", "num_engines"),),
+    "num_steps": (("schedule", "num_steps"),),
+    "max_minutes": (("schedule", "max_minutes"),),
+    "num_prompts_per_step": (("rollout", "num_prompts_per_step"),),
+    "num_samples_per_prompt": (("rollout", "num_samples_per_prompt"),),
+    "max_new_tokens": (("rollout", "sampling", "max_new_tokens"),),
+    "max_total_tokens": (("rollout", "engine", "max_total_tokens"), ("rollout", "multi_turn", "max_total_tokens")),
+    "hidden_size": (("model", "hidden_size"),),
+    "num_layers": (("model", "num_layers"),),
+    "num_heads": (("model", "num_heads"), ("model", "num_kv_heads")),
+    "intermediate_size": (("model", "intermediate_size"),),
+    "warm_start_steps": (("model", "warm_start_steps"),),
+    "batch_size": (
+        ("model", "warm_start_batch_size"),
+        ("rollout", "engine", "max_batch_size"),
+        ("rollout", "engine", "max_requests_per_call"),
+        ("rollout", "remote_reward", "batch_size"),
+    ),
+    "num_train": (("data", "num_train"),),
+    "num_eval": (("data", "num_eval"), ("rollout", "eval", "num_prompts")),
+    "num_threads": (
+        ("rollout", "engine", "num_threads"),
+        ("train", "backend", "num_threads"),
+        ("ray", "num_cpus"),
+        ("rollout", "remote_reward", "max_concurrent_requests"),
+    ),
+    "timeout_s": (
+        ("rollout", "engine", "startup_timeout_s"),
+        ("rollout", "engine", "request_timeout_s"),
+        ("rollout", "engine", "health_interval_s"),
+        ("rollout", "engine", "health_timeout_s"),
+        ("rollout", "multi_turn", "step_timeout_s"),
+        ("rollout", "remote_reward", "timeout_s"),
+        ("rollout", "remote_reward", "backoff_s"),
+        ("sync", "ready_timeout_s"),
+        ("sync", "timeout_s"),
+    ),
+    "restarts": (
+        ("rollout", "engine", "max_restarts"),
+        ("schedule", "max_restarts"),
+        ("rollout", "remote_reward", "max_retries"),
+    ),
+    "max_turns": (("rollout", "multi_turn", "max_turns"),),
+    "bucket_bytes": (("sync", "bucket_bytes"),),
+    "group_size": (("sync", "quant_group_size"), ("train", "quant_group_size")),
+    "keep": (("sync", "keep_versions"), ("schedule", "keep_checkpoints")),
+    "max_buckets_in_flight": (("sync", "max_buckets_in_flight"),),
+    "num_minibatches": (("train", "algorithm", "num_minibatches"),),
+    "lora_rank": (("train", "lora", "rank"),),
+    "buffer": (("schedule", "buffer_groups"), ("schedule", "max_staleness")),
+    "min_trainer_cpus_per_rank": (("ray", "trainer_cpus_per_rank"),),
+    "min_rollout_cpus": (("ray", "rollout_cpus"),),
 }
+
+# Numbers of a spec that size nothing (rates, coefficients, seeds, ports, intervals whose growth does less work),
+# by field name; a test walks the spec's models and fails on a number neither bounded nor listed here.
+UNSIZED = frozenset(
+    {
+        "seed", "lr", "eps", "weight_decay", "max_grad_norm", "entropy_coef", "dual_clip", "clip_eps",
+        "clip_eps_high", "kl_coef", "tis_cap", "staleness_decay", "drop_older_than", "value_clip", "gamma", "lam",
+        "alpha", "dropout", "temperature", "top_p", "every_steps", "buffer", "factor", "eval_fraction",
+        "warm_start_lr", "warm_start_target", "warm_start_call_share", "stop_at_accuracy", "checkpoint_every",
+        "update_weights_interval", "master_port", "trainer_gpus_per_rank", "rollout_gpus_per_engine",
+    }
+)  # fmt: skip
 
 
 def _check_limits(data: dict[str, Any], limits: JobLimits) -> list[Problem]:
     """Every bounded field the spec has (for its model source, engine and backend types) within the limit."""
     problems = []
-    for name, loc in LIMITED.items():
-        value: Any = data
-        for key in loc:
-            value = value.get(key) if isinstance(value, dict) else None
-        if value is None:
-            continue
+    for name, locs in LIMITED.items():
         bound = getattr(limits, name)
         env = f"MILES_LIMITS__{name.upper()}"
-        if name.startswith("min_") and value < bound:
-            problems.append(_problem(loc, f"{value:g} is below this server's minimum of {bound:g} ({env})"))
-        elif not name.startswith("min_") and value > bound:
-            problems.append(_problem(loc, f"{value:g} is above this server's limit of {bound:g} ({env})"))
+        for loc in locs:
+            value: Any = data
+            for key in loc:
+                value = value.get(key) if isinstance(value, dict) else None
+            if not isinstance(value, int | float):
+                continue
+            if name.startswith("min_") and value < bound:
+                problems.append(_problem(loc, f"{value:g} is below this server's minimum of {bound:g} ({env})"))
+            elif not name.startswith("min_") and value > bound:
+                problems.append(_problem(loc, f"{value:g} is above this server's limit of {bound:g} ({env})"))
     return problems
 
 
@@ -78,50 +135,28 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
     if "address" in spec.ray.model_fields_set and spec.ray.address is not None:
         problems.append(_problem(("ray", "address"), "the server decides where jobs run; leave `ray.address` out"))
 
-    def confined(root: Path, raw: str | None, loc: tuple[str, ...], what: str) -> str | None:
-        if raw is None:
-            return None
+    roots = {"data": settings.data_root, "model": settings.model_root, "runs": settings.runs_root}
+    for loc, node, key, (root_name, what) in list(path_values(data)):  # every path field (miles_control.spec_paths)
+        raw, root = node[key], roots[root_name]
+        if loc == ("data", "path") and is_hub_dataset(data, raw) and not (root / raw).exists():
+            continue  # a Hub id: the driver looks it up in the Hugging Face cache only, never as a local path
         try:
             (root / raw).resolve()
         except (OSError, RuntimeError) as exc:
             problems.append(_problem(loc, f"{what} {raw!r} cannot be resolved ({exc})"))
-            return raw
+            continue
         path = confine(root, raw)
         if path is None:
             problems.append(_problem(loc, f"{what} {raw!r} is outside {root.resolve()}"))
-            return raw
-        return str(path)
-
-    if data["model"]["source"] == "path":
-        data["model"]["path"] = confined(settings.model_root, data["model"]["path"], ("model", "path"), "model folder")
-    if data["train"].get("teacher") is not None:  # distill's teacher: a model folder like model.path
-        data["train"]["teacher"] = confined(
-            settings.model_root, data["train"]["teacher"], ("train", "teacher"), "teacher folder"
-        )
-    critic = data["train"].get("critic") or {}
-    if critic.get("model") is not None:  # ppo's value model: a model folder like model.path
-        critic["model"] = confined(settings.model_root, critic["model"], ("train", "critic", "model"), "critic folder")
-    hub_dataset = data["data"]["source"] == "hf" and _hub_id_not_local(settings.data_root, data["data"]["path"])
-    for key in ("path", "eval_path"):
-        if not (key == "path" and hub_dataset):  # a Hub dataset id goes to the server's Hugging Face cache
-            data["data"][key] = confined(settings.data_root, data["data"][key], ("data", key), "prompt file")
-    if data["data"]["chat_template"] not in ("none", "model"):  # a Jinja file, read by the driver
-        data["data"]["chat_template"] = confined(
-            settings.data_root, data["data"]["chat_template"], ("data", "chat_template"), "chat template"
-        )
-    runs = settings.runs_root
-    data["output_dir"] = (
-        confined(runs, data["output_dir"], ("output_dir",), "output folder")
-        if "output_dir" in spec.model_fields_set
-        else str(runs)
-    )
+        else:
+            node[key] = str(path)
+    if "output_dir" not in spec.model_fields_set:
+        data["output_dir"] = str(settings.runs_root)
     for index, tracker in enumerate(data["tracking"]):  # local files under the runs folder; no host to contact
-        if tracker.get("dir") is not None:
-            tracker["dir"] = confined(runs, tracker["dir"], ("tracking", str(index), "dir"), "tracking folder")
         if tracker.get("tracking_uri") is not None:
             problems.append(_problem(("tracking", str(index), "tracking_uri"), "a tracking URI is not accepted over "
                                      "the API (a host to contact); the server's MLFLOW_TRACKING_URI applies"))  # fmt: skip
-    if data["sync"].get("dir") is not None:  # the disk transport deletes old versions there: each run has its own
+    if "dir" in spec.sync.model_fields_set:  # the disk transport deletes old versions there: each run has its own
         problems.append(_problem(("sync", "dir"), "the server gives each run its own weights folder; leave it out"))
     for key in ("master_address", "master_port"):  # as engine `urls`: a job over the API names no host to contact
         if key in spec.sync.model_fields_set:
@@ -135,8 +170,6 @@ def check_spec(spec: JobSpec, settings: ServerSettings) -> tuple[JobSpec, list[P
         problems.append(
             _problem(("rollout", "engine", "urls"), "attaching to servers by URL is not accepted over the API")
         )
-    if engine.get("log_dir") is not None:
-        engine["log_dir"] = confined(runs, engine["log_dir"], ("rollout", "engine", "log_dir"), "log folder")
     problems.extend(_check_limits(data, settings.limits))
     problems.extend(_check_plugins(spec, settings))
     if spec.rollout.remote_reward is not None:
@@ -255,16 +288,3 @@ def _check_plugins(spec: JobSpec, settings: ServerSettings) -> list[Problem]:
     if spec.data.map is not None:  # run on every row by the driver: a function of an allowed module, as above
         problems += _check_plugin("data.map", spec.data.map, [], settings, positional=1)
     return problems
-
-
-def _hub_id_not_local(root: Path, raw: str | None) -> bool:
-    """`data.path` of `source: hf` names a Hub dataset: a valid id, and nothing of that name under the data root."""
-    from miles_control.config import check_repo_id
-
-    if raw is None or raw.startswith(("/", ".", "~")):
-        return False
-    try:
-        check_repo_id(raw)
-    except ValueError:
-        return False
-    return not (root / raw).exists()

@@ -162,7 +162,10 @@ class SpecCheck(BaseModel):
 
 
 class LogSource(BaseModel):
-    name: str = Field(description="`driver`, or `engine-<i>` for SGLang server i; the `source` of get_logs.")
+    name: str = Field(
+        description="`driver`, `engine-<i>` for SGLang server i, or `engine-<i>.restart-<n>` for server i after its "
+        "n-th restart; the `source` of get_logs."
+    )
     size_bytes: int = Field(description="The log's size now.")
     description: str
 
@@ -212,7 +215,12 @@ class ScheduleChangePublic(_Out):
 
 class Health(BaseModel):
     status: Literal["ok", "degraded"]
-    store: str
+    store: str = Field(
+        description="ok, or why the server cannot read or write its store (a failed write, a full disk)."
+    )
+    ray: str = Field(
+        description="ok, not started (the local head starts with the first job), or why it is unreachable."
+    )
     launcher: str
     launcher_error: str | None
     version: str

@@ -7,10 +7,12 @@ failed only when its driver is gone without having done so."""
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
 import threading
 import time
 from datetime import timezone
+from pathlib import Path
 
 from miles_control.config import JobSpec
 from miles_control.launch.drivers import (
@@ -26,6 +28,11 @@ from miles_control.settings import ServerSettings
 from miles_control.store import FINAL, Attempt, InvalidTransition, JobStatus, Store
 
 log = logging.getLogger(__name__)
+MIN_FREE_BYTES = 16 << 20  # below this a SQLite store's next transaction may fail: /health says so first
+
+
+def _demand_of(spec: dict) -> float:
+    return job_demand(JobSpec.model_validate(spec))
 
 
 def job_demand(spec: JobSpec) -> float:
@@ -42,9 +49,11 @@ class Launcher:
         self.ray = LocalRay(settings)
         self.drivers: dict[int, Driver] = {}  # attempt id → driver
         self._term_sent: dict[int, float] = {}  # attempt id → when the cancel was sent
+        self._failed_launches: dict[int, tuple[Attempt, str]] = {}  # whose failure could not be stored yet
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="miles-launcher", daemon=True)
         self.last_error: str | None = None
+        self._last_exc: Exception | None = None
 
     # --- life of the thread ---------------------------------------------------------------------
     def start(self) -> None:
@@ -64,10 +73,10 @@ class Launcher:
         while not self._stop.is_set():
             try:
                 self.tick()
-                self.last_error = None
+                self.last_error, self._last_exc = None, None
             except Exception as exc:  # noqa: BLE001 - keep launching; the error is visible on /health
                 log.exception("launcher tick failed")
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error, self._last_exc = f"{type(exc).__name__}: {exc}", exc
             self._stop.wait(self.settings.poll_interval_s)
 
     # --- the work -------------------------------------------------------------------------------
@@ -76,9 +85,12 @@ class Launcher:
         and of launches the restart interrupted (a job `starting` with no attempt)."""
         for attempt in self.store.attempts(live_only=True):
             try:
+                if self._launch_interrupted(attempt):
+                    self._fail(attempt, "launch interrupted by a restart of the API")
+                    continue
                 driver = self._driver_of(attempt)
-                if driver is None and attempt.launcher == "inline":
-                    continue  # a `miles run` on another machine: not ours to judge
+                if driver is None:
+                    continue  # another server's launcher, another host, or a `miles run` elsewhere: not ours to judge
                 if driver is not None and driver.alive():
                     self.drivers[attempt.id] = driver
                     self.store.add_event(attempt.job_id, "reattached", f"attempt {attempt.number}: driver re-attached")
@@ -88,10 +100,12 @@ class Launcher:
             except Exception as exc:  # noqa: BLE001 - e.g. a Ray cluster that does not answer: retried by ticks
                 log.exception("job %d: cannot check attempt %d", attempt.job_id, attempt.number)
                 self.last_error = f"re-attaching job {attempt.job_id}: {type(exc).__name__}: {exc}"
+        if self.settings.launcher == "off":
+            return  # a server that launches nothing judges no launch
         live_jobs = {a.job_id for a in self.store.attempts(live_only=True)}
         starting, _ = self.store.jobs(status=[JobStatus.STARTING.value], limit=1000, source="api")
         for job in starting:
-            if job.id not in live_jobs:
+            if job.id not in live_jobs:  # admission makes the attempt with the status: none means a crash between
                 try:
                     self.store.set_status(
                         job.id, JobStatus.FAILED, error="launch interrupted by a restart of the API; resumable"
@@ -99,10 +113,24 @@ class Launcher:
                 except InvalidTransition:
                     pass
 
+    def _launch_interrupted(self, attempt: Attempt) -> bool:
+        """An attempt this server's kind of launcher admitted (on this host, for `local`) that never got its driver:
+        the server stopped between the two (a launch that is under way elsewhere gets its driver within seconds)."""
+        if attempt.launcher != self.settings.launcher or attempt.driver_pid or attempt.submission_id:
+            return False
+        if attempt.launcher == "local" and attempt.driver_host != socket.gethostname():
+            return False
+        started = attempt.started_at if attempt.started_at.tzinfo else attempt.started_at.replace(tzinfo=timezone.utc)
+        return time.time() - started.timestamp() > 30
+
     def _driver_of(self, attempt: Attempt) -> Driver | None:
-        if attempt.launcher == "local" and attempt.driver_pid and attempt.driver_host == socket.gethostname():
+        """The driver of an attempt this server can see and judge, else None: a `local` attempt of this host when
+        this server launches locally, a `ray_job` attempt when it submits to a cluster, a `miles run` of this host."""
+        here = attempt.driver_host == socket.gethostname()
+        if attempt.launcher == "local" and self.settings.launcher == "local" and attempt.driver_pid and here:
             return LocalDriver(attempt.id, attempt.driver_pid)
-        if attempt.launcher == "ray_job" and attempt.submission_id and self.settings.ray_address:
+        if attempt.launcher == "ray_job" and self.settings.launcher == "ray_job" and attempt.submission_id:
+            assert self.settings.ray_address is not None  # the settings require it for ray_job
             return RayJobDriver(attempt.id, self.settings.ray_address, attempt.submission_id)
         if attempt.launcher == "inline" and attempt.driver_host == socket.gethostname() and attempt.driver_pid:
             started = attempt.started_at
@@ -124,7 +152,30 @@ class Launcher:
         except InvalidTransition:
             pass  # the driver finished the job just now
 
+    def store_problem(self) -> str:
+        """ok, or why this server cannot write its store: the last write failed, or a SQLite store's disk is full."""
+        from sqlalchemy.exc import DBAPIError
+
+        if isinstance(self._last_exc, DBAPIError):
+            return f"error: cannot write: {' '.join(str(self._last_exc.orig or self._last_exc).split())[:300]}"
+        url = self.store.url
+        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+            folder = Path(url.removeprefix("sqlite:///")).resolve().parent
+            free = shutil.disk_usage(folder).free if folder.is_dir() else 0
+            if free < MIN_FREE_BYTES:
+                return f"error: {free} bytes free on the store's disk ({folder}); writes fail"
+        return "ok"
+
+    def ray_problem(self) -> str:
+        """ok, not started, unchecked (a cluster behind `ray_job`: its jobs report it), or why Ray does not answer."""
+        if self.settings.launcher != "local":
+            return "unchecked"
+        return self.ray.problem()
+
     def tick(self) -> None:
+        for attempt, reason in list(self._failed_launches.values()):  # the store may take the failure now
+            self._fail(attempt, reason)
+            del self._failed_launches[attempt.id]
         self._reap()
         self._cancel()
         if self.settings.launcher != "off":
@@ -160,31 +211,21 @@ class Launcher:
                 log.warning("job %d: driver still runs %.0fs after the cancel; killing it", attempt.job_id, now - sent)
                 driver.kill()
 
-    def used_cpus(self) -> float:
-        used = 0.0
-        for attempt in self.store.attempts(live_only=True):
-            used += job_demand(JobSpec.model_validate(self.store.job(attempt.job_id).spec))
-        return used
-
     def _launch(self) -> None:
         queued, _ = self.store.jobs(status=[JobStatus.QUEUED.value], limit=1000, source="api")
-        if not queued:
-            return
-        used = self.used_cpus()
-        for job in sorted(queued, key=lambda j: j.id):  # first come, first served; no overtaking
-            demand = job_demand(JobSpec.model_validate(job.spec))
-            if used + demand > self.settings.cpus + 1e-9:
-                return
-            try:
-                self.store.set_status(job.id, JobStatus.STARTING, expect=JobStatus.QUEUED)
-            except InvalidTransition:
-                continue  # cancelled meanwhile
-            self._start_driver(job.id)
-            used += demand
-
-    def _start_driver(self, job_id: int) -> None:
         kind = self.settings.launcher
-        attempt = self.store.start_attempt(job_id, kind)
+        host = socket.gethostname() if kind == "local" else None  # ray_job: the cluster is one site
+        for job in sorted(queued, key=lambda j: j.id):  # first come, first served; no overtaking
+            try:  # atomic across every server of the store: the CPU budget is this host's, not this process's
+                attempt = self.store.admit(job.id, kind, host, self.settings.cpus, _demand_of)
+            except InvalidTransition:
+                continue  # cancelled, or taken by another server, meanwhile
+            if attempt is None:
+                return
+            self._start_driver(job.id, attempt)
+
+    def _start_driver(self, job_id: int, attempt: Attempt) -> None:
+        kind = self.settings.launcher
         log_path = self.settings.logs_root / f"job-{job_id}" / f"attempt-{attempt.number}.log"
         try:
             if kind == "local":
@@ -202,7 +243,11 @@ class Launcher:
                 driver = RayJobDriver.start(self.settings, driver_store_url(self.store.url), job_id, attempt.id)
                 self.store.update_attempt(attempt.id, submission_id=driver.submission_id)
         except Exception as exc:
-            self._fail(attempt, f"launch failed: {type(exc).__name__}: {exc}")
+            reason = f"launch failed: {type(exc).__name__}: {exc}"
+            try:
+                self._fail(attempt, reason)
+            except Exception:  # the store cannot take it now (a full disk): the next tick tries again
+                self._failed_launches[attempt.id] = (attempt, reason)
             raise
         self.drivers[attempt.id] = driver
         self.store.add_event(

@@ -53,10 +53,25 @@ class LocalRay:
         deadline = time.time() + 120
         while not port_open("127.0.0.1", port):
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"the local Ray instance did not start; see {log_path}")
+                raise RuntimeError(f"the local Ray instance did not start: {_tail(log_path)} (log {log_path})")
             time.sleep(0.5)
+        time.sleep(1.0)  # a head whose raylet fails exits just after its GCS port opens: fail here, with the cause
+        if proc.poll() is not None:
+            raise RuntimeError(f"the local Ray instance exited as it started: {_tail(log_path)} (log {log_path})")
         self.state_file.write_text(json.dumps({"address": address, "pgid": proc.pid}))
         return address
+
+    def problem(self) -> str:
+        """ok, not started (the first job starts it), or why the Ray instance jobs join does not answer."""
+        if self.settings.ray_address:
+            host, _, port = self.settings.ray_address.rpartition(":")
+            ok = port.isdigit() and port_open(host or "127.0.0.1", int(port))
+            return "ok" if ok else f"error: the Ray instance at {self.settings.ray_address} does not answer"
+        if not self.state_file.exists():
+            return "not started"
+        address = json.loads(self.state_file.read_text())["address"]
+        host, _, port = address.rpartition(":")
+        return "ok" if port_open(host, int(port)) else f"error: the local Ray head at {address} does not answer"
 
     @property
     def driver_env(self) -> dict[str, str]:
@@ -71,3 +86,12 @@ class LocalRay:
         kill_process_group(state["pgid"])
         forget_ray_cluster(state["address"])
         self.state_file.unlink(missing_ok=True)
+
+
+def _tail(log_path: Path, lines: int = 5) -> str:
+    """The last lines of a log, on one line: an error's cause where a process wrote it."""
+    try:
+        text = log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return "no log"
+    return " | ".join(line.strip() for line in text if line.strip()) or "an empty log"

@@ -40,7 +40,10 @@ def process_start(pid: int) -> float | None:
 
 
 def kill_process_group(pgid: int, grace_s: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL after `grace_s` (Ray's gcs_server ignores SIGTERM for a long while)."""
+    """SIGTERM, then SIGKILL after `grace_s` (Ray's gcs_server ignores SIGTERM for a long while). A group id of
+    0 or 1 (from a damaged state file) would be this process's own group or init's: never signalled."""
+    if pgid <= 1 or pgid == os.getpgrp():
+        return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)

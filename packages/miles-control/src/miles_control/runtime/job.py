@@ -277,6 +277,7 @@ class JobRuntime:
             if colocated:
                 ray.get(self.rollout.resume_memory.remote())
         metrics = result.metrics | ray.get(self.rollout.usage.remote())  # the rollout side's since the last step
+        metrics |= self.recorder.engine_restarts(step, ray.get(self.rollout.engine_restarts.remote()))
         num_tokens = int(metrics["train/num_tokens"])
         self.recorder.span("train", step, "trainer", result.start, result.end, num_tokens=num_tokens)
         metrics["train/tokens_per_s"] = num_tokens / max(result.end - result.start, 1e-9)
@@ -422,7 +423,7 @@ class JobRuntime:
         if directory.is_dir():
             (directory / ROLLOUT_STATE).write_text(json.dumps({"prompts_drawn": self.prompts_used}))
         self.recorder.span("checkpoint", step, "trainer", start, time.time())
-        self.recorder.checkpoint(step, self.weight_version, directory)
+        self.recorder.checkpoint(step, self.weight_version, directory, keep=self.spec.schedule.keep_checkpoints)
         return directory
 
     def start_weights(self) -> None:

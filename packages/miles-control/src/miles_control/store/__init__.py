@@ -19,6 +19,7 @@ from miles_control.store.store import (
     ACTIVE,
     FINAL,
     TRANSITIONS,
+    AttemptConflict,
     InvalidTransition,
     JobNotFound,
     Store,
@@ -27,6 +28,7 @@ from miles_control.store.store import (
 
 __all__ = [
     "ACTIVE",
+    "AttemptConflict",
     "FINAL",
     "TRANSITIONS",
     "ApiToken",

@@ -3,14 +3,20 @@ methods write and read through."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Self
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, func, select
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from miles_control.status import FencedOut
 from miles_control.store.migrate import ensure_schema
+from miles_control.store.models import Attempt
 
 
 class StoreError(ValueError):
@@ -67,7 +73,36 @@ class StoreBase:
                 f"store {shown_url(url)}: cannot open it ({' '.join(str(exc.orig or exc).split())})"
             ) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.fence: int | None = None  # the attempt whose lease every write checks (a driver's view), or None
 
     def session(self) -> Session:
         """A new session; every write of the store commits at once (`with self.session() as s, s.begin()`)."""
         return self._sessions()
+
+    def fenced(self, attempt_id: int) -> Self:
+        """This store as the driver of `attempt_id` writes to it: every write of a job's records or lifecycle first
+        checks, in its own transaction, that the attempt is live and its job's newest (FencedOut otherwise). A
+        driver judged lost, or outlived by a resume, cannot write over the attempt that replaced it."""
+        view = copy.copy(self)
+        view.fence = attempt_id
+        return view
+
+    @contextmanager
+    def writing(self, job_id: int) -> Iterator[Session]:
+        """A write transaction on `job_id`'s records, checked against the fence first (the attempt's row is locked
+        until commit on PostgreSQL, so ending the attempt waits for a write under way)."""
+        with self.session() as s, s.begin():
+            if self.fence is not None:
+                self._check_lease(s, job_id, self.fence)
+            yield s
+
+    @staticmethod
+    def _check_lease(s: Session, job_id: int, attempt_id: int) -> None:
+        attempt = s.scalars(select(Attempt).where(Attempt.id == attempt_id).with_for_update()).one_or_none()
+        if attempt is None or attempt.job_id != job_id:
+            raise FencedOut(job_id, attempt_id, "it is not an attempt of this job")
+        if attempt.status == "ended":
+            raise FencedOut(job_id, attempt_id, f"it was ended: {attempt.exit_reason}")
+        newest = s.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job_id))
+        if newest != attempt.number:
+            raise FencedOut(job_id, attempt_id, f"attempt {newest} replaced it")

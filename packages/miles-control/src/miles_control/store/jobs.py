@@ -3,9 +3,10 @@ attempts, checkpoints (where a resumed attempt starts) and queued changes of a r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 
 from miles_control.status import ACTIVE, FINAL, TRANSITIONS, InvalidTransition, JobStatus
 from miles_control.store.base import StoreBase
@@ -21,6 +22,10 @@ class JobNotFound(KeyError):
 
     def __str__(self) -> str:
         return self.args[0]
+
+
+class AttemptConflict(RuntimeError):
+    """A second live attempt of one job was asked for."""
 
 
 class JobTables(StoreBase):
@@ -59,7 +64,7 @@ class JobTables(StoreBase):
         if error is not None:
             values["error"] = error
         message = f"{current.value} → {status.value}" + (f": {error}" if error else "")
-        with self.session() as s, s.begin():
+        with self.writing(job_id) as s:
             changed = s.execute(
                 update(Job).where(Job.id == job_id, Job.status == current.value).values(**values)
             ).rowcount
@@ -98,9 +103,17 @@ class JobTables(StoreBase):
 
     # --- attempts and checkpoints -------------------------------------------------------------
     def start_attempt(self, job_id: int, launcher: str, **fields: Any) -> Attempt:
-        """A new attempt of the job (numbered after its last), starting after its last checkpoint."""
+        """A new attempt of the job (numbered after its last), starting after its last checkpoint. Refused
+        (AttemptConflict) while another attempt of the job is live: one job never has two drivers."""
         last = self.last_checkpoint(job_id)
         with self.session() as s, s.begin():
+            s.execute(select(Job.id).where(Job.id == job_id).with_for_update())  # PostgreSQL: one start at a time
+            live = s.scalars(select(Attempt).where(Attempt.job_id == job_id, Attempt.status != "ended")).first()
+            if live is not None:
+                raise AttemptConflict(
+                    f"job {job_id} already has a live attempt ({live.number}, {live.launcher} on "
+                    f"{live.driver_host or 'a Ray cluster'}): end it before starting another"
+                )
             number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job_id)) or 0) + 1
             attempt = Attempt(
                 job_id=job_id,
@@ -114,9 +127,56 @@ class JobTables(StoreBase):
             s.flush()
             return attempt
 
-    def update_attempt(self, attempt_id: int, **fields: Any) -> None:
-        """Set columns of an attempt."""
+    def admit(
+        self,
+        job_id: int,
+        launcher: str,
+        host: str | None,
+        budget: float,
+        demand_of: Callable[[dict[str, Any]], float],
+    ) -> Attempt | None:
+        """Start a queued job if its CPUs fit: in one transaction that every server of the store serializes on, sum
+        the demand of the live attempts on the same site (this host's, or the Ray cluster's for `ray_job`), and if
+        the job fits `budget`, move it to `starting` and create its attempt there. None when it does not fit;
+        InvalidTransition when the job is no longer queued. Two servers on one store share one budget per host."""
         with self.session() as s, s.begin():
+            if s.get_bind().dialect.name == "postgresql":  # serializes admissions across servers until commit
+                s.execute(text("select pg_advisory_xact_lock(7242)"))
+            else:  # SQLite: any write statement, even one that matches no row, takes the write lock until commit
+                s.execute(update(Job).where(Job.id == -1).values(updated_at=utcnow()))
+            same_site = Attempt.launcher == launcher if host is None else Attempt.driver_host == host
+            live = s.execute(
+                select(Job.spec).join(Attempt, Attempt.job_id == Job.id).where(Attempt.status != "ended", same_site)
+            )
+            used = sum(demand_of(spec) for (spec,) in live)
+            job = s.get(Job, job_id)
+            if job is None or job.status != JobStatus.QUEUED.value:
+                raise InvalidTransition(job_id, job.status if job else "queued", JobStatus.STARTING.value)
+            if used + demand_of(job.spec) > budget + 1e-9:
+                return None
+            last = s.scalars(
+                select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
+            ).first()
+            number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job_id)) or 0) + 1
+            job.status, job.updated_at = JobStatus.STARTING.value, utcnow()
+            s.add(Event(job_id=job_id, kind="status", message="queued → starting", data={"status": "starting"}))
+            attempt = Attempt(
+                job_id=job_id,
+                number=number,
+                launcher=launcher,
+                driver_host=host,
+                resume_step=last.step if last is not None else 0,
+                status="starting",
+            )
+            s.add(attempt)
+            s.flush()
+            return attempt
+
+    def update_attempt(self, attempt_id: int, **fields: Any) -> None:
+        """Set columns of an attempt (a driver's view writes only while its attempt owns the job)."""
+        with self.session() as s, s.begin():
+            if self.fence is not None:
+                self._check_lease(s, self.attempt(attempt_id).job_id, self.fence)
             s.execute(update(Attempt).where(Attempt.id == attempt_id).values(**fields))
 
     def end_attempt(self, attempt_id: int, reason: str) -> None:
@@ -143,8 +203,17 @@ class JobTables(StoreBase):
 
     def add_checkpoint(self, job_id: int, step: int, weight_version: int, path: str) -> None:
         """Record a checkpoint written after `step`."""
-        with self.session() as s, s.begin():
+        with self.writing(job_id) as s:
             s.add(Checkpoint(job_id=job_id, step=step, weight_version=weight_version, path=path))
+
+    def prune_checkpoints(self, job_id: int, keep: int) -> list[str]:
+        """Forget all but the newest `keep` checkpoints of a job; returns the paths of those forgotten."""
+        with self.writing(job_id) as s:
+            rows = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+            old, kept = rows[:-keep], {row.path for row in rows[-keep:]}
+            for row in old:
+                s.delete(row)
+            return sorted({row.path for row in old} - kept)  # a step saved twice (a redo) keeps its folder
 
     def checkpoints(self, job_id: int) -> list[Checkpoint]:
         """A job's checkpoints by step."""
@@ -176,6 +245,8 @@ class JobTables(StoreBase):
         """Record what became of a queued change: its status, the step it took effect at and why."""
         with self.session() as s, s.begin():
             change = s.get(ScheduleChange, change_id)
+            if self.fence is not None:
+                self._check_lease(s, change.job_id, self.fence)
             change.status, change.applied_step, change.message = status, step, message
 
     def schedule_changes(self, job_id: int) -> list[ScheduleChange]:

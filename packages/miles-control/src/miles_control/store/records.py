@@ -18,20 +18,20 @@ class RecordTables(StoreBase):
     # --- writes -------------------------------------------------------------------------------
     def add_step(self, job_id: int, step: int, weight_version: int, started_at: float, ended_at: float) -> None:
         """Record a finished step with the weight version it ended on."""
-        with self.session() as s, s.begin():
+        with self.writing(job_id) as s:
             s.add(
                 Step(job_id=job_id, step=step, weight_version=weight_version, started_at=started_at, ended_at=ended_at)
             )
 
     def add_spans(self, job_id: int, spans: Iterable[dict[str, Any]]) -> None:
         """Record timed spans (stage, step, worker, start, end, tokens, attrs)."""
-        with self.session() as s, s.begin():
+        with self.writing(job_id) as s:
             s.add_all([Span(job_id=job_id, **span) for span in spans])
 
     def add_metrics(self, job_id: int, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of a step, stamped with the wall time now."""
         now = time.time()
-        with self.session() as s, s.begin():
+        with self.writing(job_id) as s:
             s.add_all(
                 [Metric(job_id=job_id, step=step, name=k, value=float(v), wall_time=now) for k, v in metrics.items()]
             )
@@ -40,19 +40,19 @@ class RecordTables(StoreBase):
         self, job_id: int, kind: str, message: str, step: int | None = None, data: dict | None = None
     ) -> None:
         """Record an event of the job (of a step, with structured data)."""
-        with self.session() as s, s.begin():
+        with self.writing(job_id) as s:
             s.add(Event(job_id=job_id, kind=kind, message=message, step=step, data=data or {}))
 
     def add_samples(self, job_id: int, step: int, samples: Iterable[dict[str, Any]]) -> None:
         """Record a sample of a step's generations."""
-        with self.session() as s, s.begin():
+        with self.writing(job_id) as s:
             s.add_all([GenerationSample(job_id=job_id, step=step, **sample) for sample in samples])
 
     def discard_from(self, job_id: int, step: int) -> int:
         """Delete what steps ≥ `step` recorded (steps, spans, metrics, samples): a resumed attempt redoes them
         from its checkpoint. Events stay (they tell what happened). Returns the number of rows deleted."""
         deleted = 0
-        with self.session() as s, s.begin():
+        with self.writing(job_id) as s:
             for table in (Step, Span, Metric, GenerationSample):
                 result = s.execute(delete(table).where(table.job_id == job_id, table.step >= step))
                 deleted += result.rowcount or 0

@@ -10,11 +10,12 @@ from __future__ import annotations
 from miles_control.status import ACTIVE, FINAL, TRANSITIONS, InvalidTransition
 from miles_control.store.base import StoreError, make_engine, shown_url
 from miles_control.store.bench_reports import ReportTables
-from miles_control.store.jobs import JobNotFound, JobTables
+from miles_control.store.jobs import AttemptConflict, JobNotFound, JobTables
 from miles_control.store.records import RecordTables
 
 __all__ = [
     "ACTIVE",
+    "AttemptConflict",
     "FINAL",
     "TRANSITIONS",
     "InvalidTransition",
