@@ -49,11 +49,16 @@ def run(
     phase, evaluation and the last step), which a log file keeps readable."""
     spec = load_spec_or_exit(config, set_)
 
+    from miles_control.redact import mask_credentials, mask_log_handlers
     from miles_control.run import run_job
     from miles_control.store import Store
 
     logging.basicConfig(level=logging.WARNING)
+    mask_log_handlers()  # a warning (a tracker that cannot start) may quote a URL with its password
     store = Store(spec.store.url)
+    # The run is handed `store`; the spec it records (the job's row, which the API shows; the trackers' config)
+    # names the store without its password.
+    spec = spec.model_copy(update={"store": spec.store.model_copy(update={"url": mask_credentials(spec.store.url)})})
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -106,7 +111,7 @@ def run(
     except Exception as exc:  # the job row already holds the reason
         from miles_control.preflight import describe_error
 
-        console.print(f"[bold red]job failed:[/] {escape(describe_error(exc))}", highlight=False)
+        console.print(f"[bold red]job failed:[/] {escape(mask_credentials(describe_error(exc)))}", highlight=False)
         raise typer.Exit(1) from None
     print_summary(store, job_id)
 
@@ -215,7 +220,9 @@ def schedule_set(
         change_id = queue_schedule_change(store, job_id, patch)
     except (KeyError, ScheduleChangeError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else str(exc)
-        console.print(f"[bold red]error:[/] {message} (store {store_url})", highlight=False)
+        from miles_control.redact import mask_credentials
+
+        console.print(f"[bold red]error:[/] {message} (store {mask_credentials(store_url)})", highlight=False)
         raise typer.Exit(2) from None
     console.print(f"queued change {change_id} for job {job_id}: {patch} (applied at its next step)")
 
@@ -252,7 +259,9 @@ def print_summary(store, job_id: int) -> None:
     if s.eval_accuracy:
         curve = ", ".join(f"{step}:{acc:.2f}" for step, acc in s.eval_accuracy)
         out.print(f"held-out accuracy by step: {curve}")
-    out.print(f"store: {store.url} (job {job_id})")
+    from miles_control.redact import mask_credentials
+
+    out.print(f"store: {mask_credentials(store.url)} (job {job_id})")
 
 
 register_bench_commands(app)

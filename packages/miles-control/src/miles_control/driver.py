@@ -1,4 +1,5 @@
-"""The driver of one launched job: `python -m miles_control.driver --job-id N --attempt-id M --store URL`.
+"""The driver of one launched job: `python -m miles_control.driver --job-id N --attempt-id M`, with the store's URL
+in the environment variable MILES_DRIVER_STORE_URL.
 
 Started by the API's launcher (a process of this machine, or a Ray job's entrypoint on a cluster). It
 reads the job's spec from the store, joins the given Ray instance and runs the job. It stops before its
@@ -9,17 +10,27 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
 from miles_control.config import JobSpec
+from miles_control.redact import mask_credentials, mask_log_handlers
+
+# Where the launcher puts the store URL: it may carry the database password, and a command line is readable by every
+# local user (/proc/PID/cmdline, ps), a process's environment only by its owner.
+STORE_URL_ENV = "MILES_DRIVER_STORE_URL"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="miles-driver", description=__doc__)
     parser.add_argument("--job-id", type=int, required=True)
     parser.add_argument("--attempt-id", type=int, required=True)
-    parser.add_argument("--store", required=True, help="SQLAlchemy URL of the job store")
+    parser.add_argument(
+        "--store",
+        default=os.environ.get(STORE_URL_ENV),
+        help=f"SQLAlchemy URL of the job store [env {STORE_URL_ENV}; prefer it: a command line is public]",
+    )
     parser.add_argument("--ray-address", default=None, help="Ray instance to join; none starts one")
     parser.add_argument(
         "--engine-log-dir",
@@ -27,17 +38,28 @@ def main(argv: list[str] | None = None) -> int:
         help="Where the SGLang servers log when the spec leaves rollout.engine.log_dir unset (the API serves them)",
     )
     args = parser.parse_args(argv)
+    if not args.store:
+        parser.error(f"no store: set {STORE_URL_ENV} (or pass --store)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mask_log_handlers()  # an error's message may quote the store URL (or another with a password)
     log = logging.getLogger("miles.driver")
 
     from miles_control.run import run_job
     from miles_control.schedules.control import STOP_REQUESTED, JobCancelled
-    from miles_control.store import Store
+    from miles_control.store import Store, StoreError
 
-    store = Store(args.store)
+    shown = mask_credentials(args.store)
+    log.info("job %d, attempt %d: store %s", args.job_id, args.attempt_id, shown)
+    try:
+        store = Store(args.store)
+    except StoreError as exc:
+        log.error("job %d: %s", args.job_id, exc)
+        return 1
     job = store.job(args.job_id)
     data = dict(job.spec)
-    data["store"] = {**data.get("store", {}), "url": args.store}
+    # The run opens no store from its spec (it is handed `store`), and the spec reaches the workers and the trackers
+    # (a W&B config, MLflow's spec.json): it names the store without its password.
+    data["store"] = {**data.get("store", {}), "url": shown}
     data["ray"] = {**data.get("ray", {}), "address": args.ray_address}
     spec = JobSpec.model_validate(data)
     if args.engine_log_dir:  # where the engine's servers log when the spec names no folder

@@ -13,10 +13,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from miles_control.driver import STORE_URL_ENV
 from miles_control.launch.processes import arg_after, cmdline, process_start
+from miles_control.redact import mask_credentials
 from miles_control.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
 
 
 class Driver(Protocol):
@@ -32,6 +37,15 @@ def engine_log_dir(log_path: Path) -> Path:
     """Where an attempt's SGLang servers log (`sglang-<i>.log`) when its spec names no rollout.engine.log_dir: beside
     the driver's log, `attempt-<n>-engines/`."""
     return log_path.with_name(f"{log_path.stem}-engines")
+
+
+def driver_command(python: str, job_id: int, attempt_id: int, ray_address: str) -> list[str]:
+    """The driver's command line: no store URL (see STORE_URL_ENV). `--attempt-id` stays on it: a re-attached
+    launcher recognises its drivers by it in /proc (`LocalDriver.alive`)."""
+    return [
+        python, "-m", "miles_control.driver", "--job-id", str(job_id), "--attempt-id", str(attempt_id),
+        "--ray-address", ray_address,
+    ]  # fmt: skip
 
 
 def driver_store_url(url: str) -> str:
@@ -59,16 +73,18 @@ class LocalDriver:
         env: dict[str, str],
         engine_logs: Path | None = None,
     ) -> LocalDriver:
-        cmd = [
-            sys.executable, "-m", "miles_control.driver", "--job-id", str(job_id), "--attempt-id", str(attempt_id),
-            "--store", store_url, "--ray-address", ray_address,
-        ]  # fmt: skip
+        """Start the driver in a session of its own, logging to `log_path`; `store_url` travels in its environment."""
+        cmd = driver_command(sys.executable, job_id, attempt_id, ray_address)
         if engine_logs is not None:
             cmd += ["--engine-log-dir", str(engine_logs)]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env}
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **env, STORE_URL_ENV: store_url},
             )
         return cls(attempt_id, proc.pid, proc)
 
@@ -106,24 +122,20 @@ class RayJobDriver:
     """A driver submitted to a Ray cluster through its job submission API."""
 
     def __init__(self, attempt_id: int, address: str, submission_id: str) -> None:
-        from ray.job_submission import JobSubmissionClient
-
         self.attempt_id, self.submission_id = attempt_id, submission_id
-        self.client = JobSubmissionClient(address)
+        self.client = _submission_client(address)
 
     @classmethod
     def start(cls, settings: ServerSettings, store_url: str, job_id: int, attempt_id: int) -> RayJobDriver:
-        from ray.job_submission import JobSubmissionClient
-
+        assert settings.ray_address is not None  # the launcher checks it first
         submission_id = f"miles-job-{job_id}-attempt-{attempt_id}-{int(time.time())}"
-        entrypoint = shlex.join(
-            [settings.driver_python, "-m", "miles_control.driver", "--job-id", str(job_id),
-             "--attempt-id", str(attempt_id), "--store", store_url, "--ray-address", "auto"]
-        )  # fmt: skip
-        env = {k: os.environ[k] for k in ("MILES_CACHE", "RAY_AUTH_MODE") if k in os.environ}
-        JobSubmissionClient(settings.ray_address).submit_job(
-            entrypoint=entrypoint, submission_id=submission_id, runtime_env={"env_vars": env}
-        )
+        entrypoint, runtime_env = ray_job_submission(settings, store_url, job_id, attempt_id)
+        try:
+            _submission_client(settings.ray_address).submit_job(
+                entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env
+            )
+        except Exception as exc:  # noqa: BLE001 - the launcher shows it (an event, /health): without the password
+            raise RuntimeError(mask_credentials(f"{type(exc).__name__}: {exc}")) from None
         return cls(attempt_id, settings.ray_address, submission_id)
 
     def logs(self) -> str:
@@ -144,6 +156,28 @@ class RayJobDriver:
 
     def kill(self) -> None:
         self.client.stop_job(self.submission_id)
+
+
+def ray_job_submission(
+    settings: ServerSettings, store_url: str, job_id: int, attempt_id: int
+) -> tuple[str, dict[str, dict[str, str]]]:
+    """The entrypoint and runtime_env of a driver's Ray job. The store URL is one of the job's environment
+    variables, not part of the entrypoint (which Ray shows in its job list and logs). Ray still shows a job's
+    runtime_env, its variables included, to whoever can reach the cluster's dashboard: keep that port as closed as
+    the database itself (the driver runs on the cluster, so a file on this server cannot carry it there)."""
+    entrypoint = shlex.join(driver_command(settings.driver_python, job_id, attempt_id, "auto"))
+    env = {k: os.environ[k] for k in ("MILES_CACHE", "RAY_AUTH_MODE") if k in os.environ}
+    return entrypoint, {"env_vars": {**env, STORE_URL_ENV: store_url}}
+
+
+def _submission_client(address: str) -> JobSubmissionClient:
+    """A client of the cluster's job API; an address it cannot reach is an error without its password."""
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except Exception as exc:  # noqa: BLE001 - any of them may quote the address
+        raise RuntimeError(mask_credentials(f"{type(exc).__name__}: {exc}")) from None
 
 
 class InlineRun(LocalDriver):
