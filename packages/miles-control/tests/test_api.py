@@ -511,13 +511,21 @@ def test_engine_logs_are_served_only_from_where_the_server_put_or_confined_them(
     folder.mkdir(parents=True)
     log_path.write_text("driver\n")
     (folder / "sglang-0.log").write_text("server 0 ready\n")
+    # server 0 crashed and was restarted twice: each process kept its own log
+    (folder / "sglang-0.restart-1.log").write_text("restart 1 ready\n")
+    (folder / "sglang-0.restart-2.log").write_text("restart 2 ready\n")
+    (folder / "sglang-0.port-4242.log").write_text("lost its port\n")  # a start-up retry: not a server's log
     secret = tmp_path / "secret.txt"
     secret.write_text("not a log\n")
     (folder / "sglang-1.log").symlink_to(secret)
     attempt_logging_to(launched, log_path)
     url = f"/api/v1/jobs/{launched}/logs"
-    assert [s["name"] for s in api.get(url + "/sources").json()] == ["driver", "engine-0"]
+    sources = api.get(url + "/sources").json()
+    assert [s["name"] for s in sources] == ["driver", "engine-0", "engine-0.restart-1", "engine-0.restart-2"]
+    assert sources[2]["description"] == "SGLang server 0, after restart 1"
     assert api.get(url, params={"source": "engine-0"}).text == "server 0 ready\n"
+    assert api.get(url, params={"source": "engine-0.restart-2"}).text == "restart 2 ready\n"
+    assert api.get(url, params={"source": "engine-0.restart-3"}).status_code == 404
     r = api.get(url, params={"source": "engine-1"})
     assert r.status_code == 404 and "no engine-1 log" in r.json()["detail"]
     r = api.get(url, params={"source": "../secret"})

@@ -6,11 +6,15 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from miles_control.recorder import Recorder
+from miles_control.runtime.rollout_worker import RolloutWorker
+from miles_control.store import Store
 from miles_rollout import FinishReason, GenerateRequest, SamplingParams, build_engine
 from miles_rollout.config import SGLangEngineConfig
 from miles_sync import DiskSync, build_sender
@@ -113,6 +117,8 @@ def test_kill_9_mid_rollout_restarts_and_loses_nothing(engine, tiny_model_dir, t
     worker.start()
     wait_for(lambda: victim.outstanding > 0, 30, "requests in flight on the victim")
     time.sleep(0.5)
+    crashed_log = victim.server.log_path
+    logged = crashed_log.read_text()
     os.kill(victim.server.process.pid, signal.SIGKILL)
     worker.join(timeout=600)
     assert not worker.is_alive()
@@ -124,6 +130,22 @@ def test_kill_9_mid_rollout_restarts_and_loses_nothing(engine, tiny_model_dir, t
     assert all(r.weight_versions == [3] for r in results)
 
     wait_for(lambda: victim.admitted and victim.restarts == restarts + 1, 180, "the killed server to come back")
+    # The restarted server logs to a file of its own: the killed one's log is kept whole (the crash's cause).
+    assert victim.server.log_path == crashed_log.with_name(f"sglang-1.restart-{restarts + 1}.log")
+    assert crashed_log.read_text().startswith(logged) and victim.server.log_path.stat().st_size > 0
+    # ... and the restart is reported for the driver to record: an event and the rollout/engine_restarts metric.
+    reported = RolloutWorker.engine_restarts(SimpleNamespace(engine=engine))  # the rollout actor's method
+    assert [(r.index, r.restart, r.exit_code) for r in reported] == [(1, restarts + 1, -signal.SIGKILL)]
+    assert reported[0].crashed_log == str(crashed_log) and reported[0].log == str(victim.server.log_path)
+    store = Store(f"sqlite:///{tmp_path}/miles.db")
+    recorder = Recorder(store, store.create_job("restarts", {}))
+    assert recorder.engine_restarts(4, reported) == {"rollout/engine_restarts": 1.0}
+    [event] = [e for e in store.events(recorder.job_id) if e.kind == "engine_restart"]
+    assert event.step == 4 and "sglang server 1 killed by signal 9" in event.message
+    assert event.data["log"] == str(victim.server.log_path) and event.data["crashed_log"] == str(crashed_log)
+    assert recorder.engine_restarts(5, RolloutWorker.engine_restarts(SimpleNamespace(engine=engine))) == {
+        "rollout/engine_restarts": 1.0
+    }  # taken once; the count runs on
     # The restarted server was given version 3 before it served: checksums verified, version label set.
     assert engine.weight_fingerprint() == handle.fingerprint
     after = asyncio.run(engine.generate(requests(16, SamplingParams(max_new_tokens=3))))

@@ -14,12 +14,15 @@ from miles_control.api.auth import ReadToken
 from miles_control.api.deps import JobId, job_or_404, jobs_router, store_of
 from miles_control.api.errors import JOB, documented
 from miles_control.api.schemas import AttemptPublic, CheckpointPublic, LogSource
+from miles_control.redact import mask_credentials
 from miles_control.store import Job, Store
 
 router = jobs_router()
 
 AttemptNumber = Annotated[int | None, Query(ge=1, le=2**31 - 1, description="Attempt number; the last one if omitted.")]
-ENGINE_LOG = re.compile(r"^engine-(\d{1,4})$")
+# sglang-<i>.log: server i's first process; sglang-<i>.restart-<n>.log: the process of its n-th restart (each
+# restart logs to a file of its own, so the log of the crash it follows is kept). Served as engine-<i>[.restart-<n>].
+ENGINE_LOG_FILE = re.compile(r"^sglang-(\d{1,4})(?:\.restart-([1-9]\d{0,3}))?\.log$")
 
 
 @router.get("/{job_id}/attempts", response_model=list[AttemptPublic], responses=JOB)
@@ -69,33 +72,39 @@ def _engine_logs(store: Store, job: Job, attempt) -> tuple[FilePath | None, str]
     return engine_log_dir(FilePath(attempt.log_path)), ""
 
 
-def _engine_log_files(folder: FilePath) -> dict[int, FilePath]:
-    """`sglang-<i>.log` files lying in `folder` itself (a link that leads elsewhere is not served)."""
+def _engine_log_files(folder: FilePath) -> dict[str, tuple[FilePath, str]]:
+    """The SGLang server logs lying in `folder` itself (a link that leads elsewhere is not served), by source name,
+    in server order and each server's in restart order, with a description."""
     if not folder.is_dir():
         return {}
     root = folder.resolve()
-    found = {}
+    found = []
     for path in folder.glob("sglang-*.log"):
-        match = re.match(r"sglang-(\d{1,4})\.log$", path.name)
+        match = ENGINE_LOG_FILE.match(path.name)
         if match and path.is_file() and path.resolve().parent == root:
-            found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
+            index, restart = int(match.group(1)), int(match.group(2) or 0)
+            found.append((index, restart, path))
+    return {
+        f"engine-{index}" + (f".restart-{restart}" if restart else ""): (
+            path,
+            f"SGLang server {index}" + (f", after restart {restart}" if restart else ""),
+        )
+        for index, restart, path in sorted(found)
+    }
 
 
 @router.get("/{job_id}/logs/sources", response_model=list[LogSource], responses=JOB, summary="The logs of an attempt")
 def list_log_sources(job_id: JobId, request: Request, _: ReadToken, attempt: AttemptNumber = None) -> list[LogSource]:
     """What `get_logs` can show for an attempt: the driver's log, and each SGLang server's that this server can
-    read (`engine-<i>`, in server order)."""
+    read (`engine-<i>`, and `engine-<i>.restart-<n>` for the process of its n-th restart; in server order)."""
     store = store_of(request)
     job = job_or_404(store, job_id)
     chosen = _attempt(store, job_id, attempt)
     size = FilePath(chosen.log_path).stat().st_size if chosen.log_path and FilePath(chosen.log_path).exists() else 0
     sources = [LogSource(name="driver", size_bytes=size, description="the driver: the job's own progress and errors")]
     folder = _engine_logs(store, job, chosen)[0]
-    for index, path in _engine_log_files(folder).items() if folder is not None else ():
-        sources.append(
-            LogSource(name=f"engine-{index}", size_bytes=path.stat().st_size, description=f"SGLang server {index}")
-        )
+    for name, (path, description) in _engine_log_files(folder).items() if folder is not None else ():
+        sources.append(LogSource(name=name, size_bytes=path.stat().st_size, description=description))
     return sources
 
 
@@ -113,8 +122,9 @@ def get_logs(
     source: Annotated[
         str,
         Query(
-            pattern=r"^(driver|engine-\d{1,4})$",
-            description="`driver` (the default), or `engine-<i>`: SGLang server i's log (list_log_sources).",
+            pattern=r"^(driver|engine-\d{1,4}(\.restart-\d{1,4})?)$",
+            description="`driver` (the default), `engine-<i>`: SGLang server i's log, or `engine-<i>.restart-<n>`: "
+            "its log after its n-th restart (list_log_sources).",
         ),
     ] = "driver",
 ) -> PlainTextResponse:
@@ -125,10 +135,8 @@ def get_logs(
         folder, why = _engine_logs(store, job, chosen)
         if folder is None:
             raise HTTPException(404, why)
-        match = ENGINE_LOG.match(source)
-        assert match is not None  # the query's pattern
-        path = _engine_log_files(folder).get(int(match.group(1)))
-        return _tail(path or FilePath(""), tail_bytes, f"attempt {chosen.number} of job {job_id} has no {source} log")
+        path = _engine_log_files(folder).get(source, (FilePath(""), ""))[0]
+        return _tail(path, tail_bytes, f"attempt {chosen.number} of job {job_id} has no {source} log")
     chosen = [chosen]
     if chosen[-1].launcher == "ray_job" and chosen[-1].submission_id:
         from miles_control.launch import RayJobDriver
@@ -139,7 +147,8 @@ def get_logs(
         try:
             text = RayJobDriver(chosen[-1].id, address, chosen[-1].submission_id).logs()
         except Exception as exc:  # noqa: BLE001 - the cluster's answer, reported
-            raise HTTPException(502, f"the Ray cluster at {address} did not give the logs: {exc}") from None
+            why = mask_credentials(f"the Ray cluster at {address} did not give the logs: {exc}")
+            raise HTTPException(502, why) from None
         return PlainTextResponse(text[-tail_bytes:])
     path = chosen[-1].log_path
     return _tail(

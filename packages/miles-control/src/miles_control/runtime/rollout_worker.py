@@ -101,6 +101,13 @@ class RolloutWorker:
         """This actor's CPU and memory with its engines' (SGLang servers are its children) since the last call."""
         return prefixed("rollout", self._usage.sample())
 
+    def engine_restarts(self) -> list:
+        """The engine's servers restarted since the last call (SGLang's router restarts one whose process is gone;
+        `miles_rollout.engines.sglang.recovery.EngineRestart`), for the driver's recorder. An engine that restarts
+        nothing has none."""
+        take = getattr(self.engine, "take_restarts", None)
+        return take() if take is not None else []
+
     def _releasing(self) -> ReleasesMemory:
         if not isinstance(self.engine, ReleasesMemory):  # the spec refuses colocation for such an engine
             raise TypeError(f"the {self.engine.name} engine cannot release its GPU memory (resources.mode: colocated)")

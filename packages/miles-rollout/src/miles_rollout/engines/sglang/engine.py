@@ -9,7 +9,7 @@ The engine puts together one part per concern, each in its own module:
   load each server reports per-tensor checksums (`/weights_checker`), compared with checksums computed
   from the published HF tensors, so equality is bit-exact without reading weights back;
 - `recovery.py`: a restarted or re-admitted server gets the current version (kept in this process) and
-  is verified before it serves again;
+  is verified before it serves again; each restart is kept (`take_restarts`) for the owner to record;
 - `adapters.py`: with `sync.lora: adapter`, pushes are LoRA adapters, each loaded by name and named by the calls
   made after it (the base weights never change);
 - `server.py` launches and stops one server process.
@@ -32,7 +32,7 @@ from miles_rollout.engines.sglang.adapters import AdapterServing, server_flags
 from miles_rollout.engines.sglang.calls import ServerCalls
 from miles_rollout.engines.sglang.dispatch import Dispatcher
 from miles_rollout.engines.sglang.pause import PauseControl
-from miles_rollout.engines.sglang.recovery import recover
+from miles_rollout.engines.sglang.recovery import EngineRestart, recover
 from miles_rollout.engines.sglang.router import Router, Slot
 from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer, use_cpu
 from miles_rollout.engines.sglang.weights import HeldCopy, WeightLoader, WeightMismatchError, folder_tensors
@@ -41,7 +41,7 @@ from miles_rollout.protocol import WeightPushError, release_frames
 from miles_rollout.types import GenerateRequest, GenerateResult
 from miles_sync import WeightHandle, without_tied_head
 
-__all__ = ["SGLangEngine", "WeightMismatchError"]
+__all__ = ["EngineRestart", "SGLangEngine", "WeightMismatchError"]
 
 
 class SGLangEngine:
@@ -83,6 +83,8 @@ class SGLangEngine:
         self.slots: list[Slot] = []
         self.router: Router | None = None
         self._busy = threading.Lock()  # weight updates vs health checks and recoveries
+        self._restarts: list[EngineRestart] = []  # since the last take_restarts (appended by the health thread)
+        self._restarts_lock = threading.Lock()
         self._dtype_name = engine_dtype(config.dtype, model_path)
         self.param_dtype = getattr(torch, self._dtype_name)
         self._tied = tied_embeddings(model_path)
@@ -147,9 +149,22 @@ class SGLangEngine:
         self._packed_dir = Path(tempfile.mkdtemp(prefix="miles-sglang-packed-"))
         return write_packed_checkpoint(self.model_path, self._packed_dir / f"checkpoint-{fmt}", fmt)
 
-    def _launch(self, index: int) -> SGLangServer:
+    def _launch(self, index: int, restart: int = 0) -> SGLangServer:
         gpus = None if self.gpu_ids is None else self.gpu_ids[index]
-        return SGLangServer(self.model_path, self.config, self._dtype_name, index, self._log_dir, self.seed, gpus)
+        return SGLangServer(
+            self.model_path, self.config, self._dtype_name, index, self._log_dir, self.seed, gpus, restart
+        )
+
+    def _restarted(self, restart: EngineRestart) -> None:
+        with self._restarts_lock:
+            self._restarts.append(restart)
+
+    def take_restarts(self) -> list[EngineRestart]:
+        """The servers restarted since the last call (the router restarts a server whose process is gone), oldest
+        first: for the owner to record, since they happen on the router's health thread between its calls."""
+        with self._restarts_lock:
+            taken, self._restarts = self._restarts, []
+        return taken
 
     def _check_reachable(self, url: str) -> None:
         try:
@@ -342,10 +357,10 @@ class SGLangEngine:
     def _recover(self, slot: Slot) -> None:
         """Called by the router (health thread, `_busy` held): bring a quarantined slot back in sync."""
         if self._adapters is not None:  # the base weights never change: the version the servers started with
-            recover(slot, self.config, self._launch, self._weights, 0)
+            recover(slot, self.config, self._launch, self._weights, 0, self._restarted)
             self._adapters.restore(slot)
             return
-        recover(slot, self.config, self._launch, self._weights, self._versions.version)
+        recover(slot, self.config, self._launch, self._weights, self._versions.version, self._restarted)
 
     def shutdown(self) -> None:
         if self.router is not None:

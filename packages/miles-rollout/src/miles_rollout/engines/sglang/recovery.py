@@ -4,7 +4,9 @@ held) and re-admits the server once it answers `/health_generate` again."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from miles_rollout.config import SGLangEngineConfig
 from miles_rollout.engines.sglang.router import Slot
@@ -12,18 +14,55 @@ from miles_rollout.engines.sglang.server import SGLangServer
 from miles_rollout.engines.sglang.weights import WeightLoader, WeightMismatchError
 
 
+@dataclass
+class EngineRestart:
+    """A server whose process was gone, started again: which one, why, and where each process logged (the crashed
+    one's log is kept: a restarted server logs to a new file)."""
+
+    index: int
+    restart: int  # 1 for the server's first restart
+    exit_code: int | None  # of the process that was gone (negative: the signal that ended it)
+    reason: str  # why the router had quarantined the server
+    crashed_log: str
+    log: str  # the new process's
+    at: float  # time.time() of the restart
+
+    def describe(self) -> str:
+        code = self.exit_code
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        return (
+            f"sglang server {self.index} {how}; restart {self.restart}, logging to {self.log} "
+            f"(the crashed process's log: {self.crashed_log})"
+        )
+
+
 def recover(
-    slot: Slot, config: SGLangEngineConfig, launch: Callable[[int], SGLangServer], weights: WeightLoader, version: int
+    slot: Slot,
+    config: SGLangEngineConfig,
+    launch: Callable[[int, int], SGLangServer],
+    weights: WeightLoader,
+    version: int,
+    on_restart: Callable[[EngineRestart], None] = lambda restart: None,
 ) -> None:
-    """Bring `slot` back in sync with weight `version` (raises when it cannot; the router retries later)."""
+    """Bring `slot` back in sync with weight `version` (raises when it cannot; the router retries later).
+    `launch(index, restart)` starts server `index` for its `restart`-th time; `on_restart` hears of each restart
+    as it begins (the engine's owner records it)."""
     if slot.server is not None and not slot.server.alive():
         if slot.restarts >= config.max_restarts:
             raise RuntimeError(f"gave up after {slot.restarts} restarts; log {slot.server.log_path}")
-        slot.server.stop()  # reap what is left of its process group
+        crashed = slot.server
+        exit_code = crashed.process.poll()
+        crashed.stop()  # reap what is left of its process group
         weights.server_gone(slot)  # its shared files of a failed load can go now
         slot.restarts += 1
         slot.note(f"restarting (restart {slot.restarts} of at most {config.max_restarts})")
-        slot.server = launch(slot.index)
+        slot.server = launch(slot.index, slot.restarts)
+        on_restart(
+            EngineRestart(
+                slot.index, slot.restarts, exit_code, slot.reason.partition("\n")[0], str(crashed.log_path),
+                str(slot.server.log_path), time.time(),
+            )
+        )  # fmt: skip
         slot.server.wait_ready(config.startup_timeout_s)
         slot.url = slot.server.url  # after: a server whose port was taken starts again on another
     try:

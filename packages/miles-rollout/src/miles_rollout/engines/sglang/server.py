@@ -48,6 +48,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def log_name(index: int, restart: int = 0) -> str:
+    """Server `index`'s log file: `sglang-<i>.log` for its first process, `sglang-<i>.restart-<n>.log` after its n-th
+    restart, so a restarted server keeps its predecessor's log (where the crash's cause is)."""
+    return f"sglang-{index}.log" if restart == 0 else f"sglang-{index}.restart-{restart}.log"
+
+
 def tail(path: Path, num_lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
@@ -129,13 +135,18 @@ class SGLangServer:
         log_dir: Path,
         seed: int = 0,
         gpu_ids: list[str] | None = None,
+        restart: int = 0,
     ):
+        """`restart`: how many times server `index` was restarted before this process (it names the log file)."""
         self.index = index
-        self.log_path = log_dir / f"sglang-{index}.log"
+        self.log_path = log_dir / log_name(index, restart)
         self.tp_size = tp_size(config.extra_args)
         self.gpu_ids = gpu_ids
         self._command = (model_path, config, dtype, seed + index, gpu_ids)
         log_dir.mkdir(parents=True, exist_ok=True)
+        if restart == 0:  # a folder reused by an earlier run: its restart logs would pass for this run's
+            for stale in log_dir.glob(f"sglang-{index}.restart-*.log"):
+                stale.unlink(missing_ok=True)
         self._spawn()
 
     def _spawn(self) -> None:
