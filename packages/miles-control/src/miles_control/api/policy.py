@@ -102,7 +102,8 @@ UNSIZED = frozenset(
         "clip_eps_high", "kl_coef", "tis_cap", "staleness_decay", "drop_older_than", "value_clip", "gamma", "lam",
         "alpha", "dropout", "temperature", "top_p", "every_steps", "buffer", "factor", "eval_fraction",
         "warm_start_lr", "warm_start_target", "warm_start_call_share", "stop_at_accuracy", "checkpoint_every",
-        "update_weights_interval", "master_port", "trainer_gpus_per_rank", "rollout_gpus_per_engine",
+        "update_weights_interval", "master_port", "trainer_gpus_per_rank", "rollout_gpus_per_engine", "betas",
+        "mis_band", "trainer_node", "rollout_node",  # custom Ray resources: placement checks them against the cluster
     }
 )  # fmt: skip
 
