@@ -73,9 +73,9 @@ def plane(tmp_path, request):
         stores.append(store)
         _, token = create_token(store, "test", "admin")
 
-        def start(env: dict[str, str] | None = None, **settings) -> Client:
+        def start(env: dict[str, str] | None = None, wrapper: list[str] | None = None, **settings) -> Client:
             settings = {"poll_interval_s": "0.3", "cpus": "1", **settings}
-            server = ApiServer(url, tmp_path, env=env, **settings).start()
+            server = ApiServer(url, tmp_path, env=env, wrapper=wrapper, **settings).start()
             servers.append(server)
             return Client(server, token)
 
@@ -162,6 +162,43 @@ def test_jobs_queue_run_cancel_and_resume_through_the_api(plane):
     assert [s["step"] for s in restore] == [resume_after]
     kinds = [e["kind"] for e in api.call("GET", f"/jobs/{first}/events")]
     assert "resume" in kinds and kinds.count("launched") == 2
+
+
+@pytest.mark.parametrize("plane", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True)
+def test_a_second_server_and_a_second_driver_leave_a_live_job_intact(plane):
+    """Issue 54, finding 2: a second API server with `--launcher off` on another host, started on the shared
+    PostgreSQL store while a job runs, judged the job's attempt lost and failed it; a resume then ran two drivers on
+    one job. Now the second server leaves the job alone, the store refuses a second attempt while one is live, and a
+    driver whose attempt was ended behind its back (the old fault's path, forced here) writes nothing more: the job
+    ends with one run's rows."""
+    from miles_control.status import JobStatus
+    from miles_control.store import AttemptConflict
+
+    store, start = plane
+    api = start()
+    spec = small_spec("shared", 16, checkpoint_every=4)
+    spec["rollout"]["eval"]["every_steps"] = 8
+    job = api.call("POST", "/jobs", json={"spec": spec})["id"]
+    api.wait(job, lambda j: (j["last_step"] or 0) >= 2, what="past step 2")
+    other_host = ["unshare", "--uts", "sh", "-c", 'hostname other-host && exec "$@"', "sh"]
+    other = start(wrapper=other_host, launcher="off")  # it answers once its start-up re-attach has run
+    for client in (api, other):
+        seen = client.job(job)
+        assert seen["status"] == "running" and seen["attempts"][0]["status"] != "ended", seen
+    with pytest.raises(AttemptConflict, match="already has a live attempt"):
+        store.start_attempt(job, "local")
+
+    first = api.wait(job, lambda j: len(j["checkpoints"]) >= 1, what="checkpointed")["attempts"][0]
+    store.end_attempt(first["id"], "ended behind its driver's back")  # what the faulty re-attach did
+    store.set_status(job, JobStatus.FAILED, error="forced")
+    api.call("POST", f"/jobs/{job}/resume")  # a second driver starts while the first still runs
+    done = api.wait(job, lambda j: j["status"] == "succeeded", timeout=600, what="succeeded after the resume")
+    assert [a["exit_reason"] for a in done["attempts"]] == ["ended behind its driver's back", "succeeded"]
+    assert [s["step"] for s in api.call("GET", f"/jobs/{job}/steps")] == list(range(1, 17))  # each step once
+    steps = [c["step"] for c in done["checkpoints"]]
+    assert steps == sorted(set(steps)), steps  # no checkpoint recorded twice
+    log = api.call("GET", f"/jobs/{job}/logs", params={"attempt": 1})
+    assert "no longer owns the job" in log, log[-2000:]
 
 
 def test_kill_9_of_the_api_loses_nothing(plane, tmp_path):

@@ -47,9 +47,17 @@ def fresh_pg_database(base_url: str) -> Iterator[str]:
 class ApiServer:
     """`miles serve` as a process of its own (so it can be killed with -9 and started again)."""
 
-    def __init__(self, store_url: str, data_dir: Path, env: dict[str, str] | None = None, **settings: str) -> None:
+    def __init__(
+        self,
+        store_url: str,
+        data_dir: Path,
+        env: dict[str, str] | None = None,
+        wrapper: list[str] | None = None,
+        **settings: str,
+    ) -> None:
+        """`wrapper`: a command the server runs under (e.g. `unshare --uts …`, another host's name)."""
         self.store_url, self.data_dir, self.settings = store_url, Path(data_dir), settings
-        self.env = env or {}
+        self.env, self.wrapper = env or {}, wrapper or []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -64,7 +72,8 @@ class ApiServer:
             **{f"MILES_{k.upper()}": v for k, v in self.settings.items()},
             **self.env,
         }
-        cmd = [sys.executable, "-m", "miles_control.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
+        cmd = [*self.wrapper, sys.executable, "-m", "miles_control.cli", "serve", "--port", str(self.port)]
+        cmd += ["--log-level", "warning"]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.data_dir)
         deadline = time.time() + timeout
@@ -142,7 +151,9 @@ def ray_cluster_with_dashboard(workdir: Path, num_cpus: int = 2) -> Iterator[str
         f"--num-cpus={num_cpus}", "--disable-usage-stats",
     ]  # fmt: skip
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}  # on, with a token made where this machine has none
+        subprocess.run([cmd[0], "get-auth-token", "--generate"], stdout=subprocess.DEVNULL, env=env, check=False)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
         deadline = time.time() + 120

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import typing
 from typing import Annotated, Any, Literal, Self
 
@@ -43,7 +42,6 @@ def _types(annotation: Any) -> set[Any]:
     return set().union(*(_types(a) for a in args)) if args else {annotation}
 
 
-@functools.cache
 def _number_only(model: type[BaseModel], name: str) -> bool:
     """Whether field `name` of `model` takes numbers and not booleans."""
     types = _types(model.model_fields[name].annotation)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -48,7 +49,12 @@ class LocalRay:
         ]  # fmt: skip
         log.info("starting the local Ray instance on 127.0.0.1:%d (log %s)", port, log_path)
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            # Token auth, said explicitly, with a token made if this machine has none (~/.ray/auth_token): else the
+            # head would start without auth while its drivers (driver_env) ask for it and fail to connect.
+            env = {**os.environ, "RAY_AUTH_MODE": "token"}
+            subprocess.run([str(ray_bin), "get-auth-token", "--generate"], stdout=subprocess.DEVNULL, stderr=out,
+                           env=env, check=False, timeout=60)  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         address = f"127.0.0.1:{port}"
         deadline = time.time() + 120
         while not port_open("127.0.0.1", port):
