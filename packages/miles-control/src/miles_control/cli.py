@@ -203,14 +203,18 @@ def schedule_set(
 
     from miles_control.schedule_changes import ScheduleChangeError, queue_schedule_change
     from miles_control.store import Store
+    from miles_control.yaml_safe import load_yaml
 
     patch, problems = {}, []
     for item in changes:
         key, sep, value = item.partition("=")
         if not sep:
             problems.append(f"{item!r}: expected field=value")
-        else:
-            patch[key] = yaml.safe_load(value)
+            continue
+        try:
+            patch[key] = load_yaml(value)
+        except yaml.YAMLError as exc:
+            problems.append(f"{item!r}: invalid YAML ({getattr(exc, 'problem', None) or exc})")
     if problems:
         for line in problems:
             console.print(f"[bold red]error:[/] {line}", highlight=False)

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from miles_control.config import JobSpec
+from miles_control.yaml_safe import MAX_YAML_CHARS, load_yaml
 
 
 class SpecError(ValueError):
@@ -39,7 +40,8 @@ def _default_type(keys: list[str]) -> str | None:
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Set `a.b.c=value` in nested dicts; the value is parsed as YAML (so 3, 0.5, true, [1] work).
+    """Set `a.b.c=value` in nested dicts; the value is parsed as YAML (so 3, 0.5, true, [1] work), within the
+    bounds of `load_yaml`; a value that is not YAML is a `SpecError` naming the override.
 
     A section the file leaves out starts as its default's kind: `train.backend.world_size=2` on a file
     without `train.backend` sets the default backend's (fsdp2's) world_size."""
@@ -55,7 +57,10 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise SpecError("--set", [f"{path}: {key!r} is a value, not a section"])
         node = child
-    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[keys[-1]] = load_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise SpecError("--set", [f"{assignment!r}: invalid YAML ({getattr(exc, 'problem', None) or exc})"]) from None
 
 
 def input_loc(loc: tuple[Any, ...] | list[Any], data: Any, error_type: str = "") -> tuple[Any, ...]:
@@ -168,18 +173,23 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     if path.is_dir():
         raise SpecError(str(path), ["is a folder, not a job spec (a YAML file)"])
     try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        raise SpecError(str(path), [f"line {line}: not UTF-8 text (byte {exc.start})"]) from None
+        with path.open("rb") as file:  # at most one byte past the limit: the path may be a device or a pipe
+            raw = file.read(MAX_YAML_CHARS + 1)
     except OSError as exc:
         raise SpecError(str(path), [f"cannot read it: {exc.strerror or exc}"]) from None
+    if len(raw) > MAX_YAML_CHARS:
+        raise SpecError(str(path), [f"longer than the limit of {MAX_YAML_CHARS} bytes for a job spec"])
     try:
-        data = yaml.safe_load(text) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SpecError(str(path), [f"line {line}: not UTF-8 text (byte {exc.start})"]) from None
+    try:
+        data = load_yaml(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "?"
-        raise SpecError(str(path), [f"{where}: invalid YAML ({getattr(exc, 'problem', exc)})"]) from None
+        where = f"line {mark.line + 1}" if mark else "(whole file)"
+        raise SpecError(str(path), [f"{where}: invalid YAML ({getattr(exc, 'problem', None) or exc})"]) from None
     if not isinstance(data, dict):
         raise SpecError(str(path), [f"(top level): expected a mapping, got {type(data).__name__}"])
     for assignment in overrides:

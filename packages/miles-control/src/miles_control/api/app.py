@@ -12,7 +12,6 @@ from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
@@ -42,7 +41,9 @@ MAX_JSON_DEPTH = 32  # a job spec nests 4 levels; deeper input is refused before
 
 
 def json_body_problem(body: bytes) -> str | None:
-    """Why a JSON request body is refused before parsing (400): not UTF-8, or nested too deep."""
+    """Why a request body is refused before parsing (400): not UTF-8, or nested too deep. Every body is JSON here
+    (no route takes another kind), and FastAPI parses one whatever its content type says, in any case
+    (`APPLICATION/JSON`, `application/json; charset=latin-1`), or hands its bytes to the 422 handler."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -70,8 +71,8 @@ def json_body_problem(body: bytes) -> str | None:
 
 class BodyGuard:
     """Reads a request body before the app does: 413 over `max_bytes` (by Content-Length, or counted while a
-    body without one streams in), 400 for a JSON body that is not UTF-8 or nests too deep; then hands the
-    body to the app."""
+    body without one streams in), 400 for a body that is not UTF-8 or nests too deep, whatever its content type
+    claims (a check keyed on the type missed `APPLICATION/JSON`); then hands the body to the app."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -99,7 +100,7 @@ class BodyGuard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        if b"json" in headers.get(b"content-type", b"") and (problem := json_body_problem(body)):
+        if problem := json_body_problem(body):
             return await self._reject(send, 400, problem)
         given = False
 
@@ -149,17 +150,22 @@ class Measure:
 
 
 def _finite(value):
-    """What a 422 echoes of a rejected input, as JSON can hold it: inf and NaN as text, a lone surrogate
-    (not encodable as UTF-8) as its escape."""
+    """What a 422 echoes of a rejected input, as JSON can hold it, whatever the input is: inf and NaN as text, a
+    lone surrogate (not encodable as UTF-8) and bytes that are not UTF-8 (a body FastAPI did not parse) as their
+    escapes, tuples and sets as lists, any other object (an exception in an error's context) as its text."""
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
     if isinstance(value, str):
         return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "backslashreplace")
     if isinstance(value, dict):
-        return {_finite(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
+        return {str(_finite(k)): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
         return [_finite(v) for v in value]
-    return value
+    return _finite(str(value))
 
 
 async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
@@ -173,7 +179,7 @@ async def _validation_error(request, exc: RequestValidationError) -> JSONRespons
         else e
         for e in exc.errors()
     ]
-    return JSONResponse({"detail": _finite(jsonable_encoder(errors))}, status_code=422)
+    return JSONResponse({"detail": _finite(errors)}, status_code=422)  # not jsonable_encoder: it decodes bytes strictly
 
 
 async def _method_not_allowed(request, exc) -> JSONResponse:
@@ -229,6 +235,9 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         summary="Control plane of Miles: jobs, their schedules, metrics, timing spans, events and samples.",
         lifespan=lifespan,
         generate_unique_id_function=lambda route: route.name,  # stable operation ids: the function names
+        # Starlette's redirect of `/jobs/` to `/jobs` is an absolute URL built from the request's Host header (any
+        # name a client sends); clients here call the paths as published, without the slash, so none is needed
+        redirect_slashes=False,
     )
     app.state.settings, app.state.store, app.state.launcher = settings, store, launcher
     app.state.stopping = threading.Event()  # set by `miles serve` on SIGTERM/SIGINT: open event streams end
