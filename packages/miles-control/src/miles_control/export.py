@@ -41,14 +41,14 @@ class ExportError(ValueError):
 
 def find_checkpoint(store_url: str, job_id: int, step: int | None = None) -> tuple[Path, Path | None]:
     """(checkpoint folder, the job's model folder) of job `job_id`: its newest checkpoint, or that of `step`."""
-    from miles_control.store import Store
+    from miles_control.store import Store, shown_url
 
     store = Store(store_url)
     try:
         try:
             store.job(job_id)
         except Exception:
-            raise ExportError(f"JOB_OR_CHECKPOINT: no job {job_id} in the store {store_url}") from None
+            raise ExportError(f"JOB_OR_CHECKPOINT: no job {job_id} in the store {shown_url(store_url)}") from None
         checkpoints = store.checkpoints(job_id)
         if step is not None:
             checkpoints = [c for c in checkpoints if c.step == step]

@@ -18,6 +18,7 @@ from pathlib import Path
 from miles_control.config import JobSpec
 from miles_control.journal import JobJournal
 from miles_control.recorder import Recorder
+from miles_control.redact import masked
 from miles_control.schedules.control import JobCancelled
 from miles_control.status import FencedOut, InvalidTransition, JobStatus
 
@@ -94,7 +95,9 @@ def run_job(
 
     add_plugin_dirs(plugin_dirs)
     if job_id is None:
-        job_id = store.create_job(spec.name, spec.model_dump(mode="json"), status=JobStatus.STARTING)
+        job_id = store.create_job(
+            spec.name, masked(spec.model_dump(mode="json")), status=JobStatus.STARTING
+        )  # no password
         attempt = store.start_attempt(job_id, "inline", driver_pid=os.getpid(), driver_host=socket.gethostname())
     else:
         attempt = next(a for a in store.attempts(job_id) if a.id == attempt_id)

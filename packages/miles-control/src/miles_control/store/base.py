@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Self
 
 from sqlalchemy import create_engine, event, func, select
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from miles_control.redact import mask_credentials
 from miles_control.status import FencedOut
 from miles_control.store.migrate import ensure_schema
 from miles_control.store.models import Attempt
@@ -34,10 +35,7 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
 
 def shown_url(url: str) -> str:
     """`url` as it may be printed: without its password."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return repr(url)
+    return mask_credentials(url)
 
 
 def make_engine(url: str) -> Engine:
