@@ -501,6 +501,8 @@ def test_engine_logs_are_served_only_from_where_the_server_put_or_confined_them(
     from miles_control.launch.drivers import engine_log_dir
 
     def attempt_logging_to(job_id: int, log_path: Path) -> None:
+        for live in api.store.attempts(job_id, live_only=True):  # one live attempt per job: a resume ends the last
+            api.store.end_attempt(live.id, "replaced")
         attempt = api.store.start_attempt(job_id, "local")
         api.store.update_attempt(attempt.id, log_path=str(log_path))
 

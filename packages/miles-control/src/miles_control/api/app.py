@@ -262,16 +262,19 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.get("/api/v1/health", response_model=Health, tags=["service"], summary="Liveness; needs no token")
     def health() -> Health:
-        try:
-            with store.engine.connect() as conn:
-                conn.execute(text("select 1"))
-            store_state = "ok"
-        except Exception as exc:  # noqa: BLE001 - reported, not raised: health must answer
-            store_state = f"error: {type(exc).__name__}"
-        degraded = store_state != "ok" or launcher.last_error is not None
+        store_state = launcher.store_problem()
+        if store_state == "ok":
+            try:
+                with store.engine.connect() as conn:
+                    conn.execute(text("select 1"))
+            except Exception as exc:  # noqa: BLE001 - reported, not raised: health must answer
+                store_state = f"error: {type(exc).__name__}"
+        ray_state = launcher.ray_problem()
+        degraded = store_state != "ok" or ray_state.startswith("error") or launcher.last_error is not None
         return Health(
             status="degraded" if degraded else "ok",
             store=store_state,
+            ray=ray_state,
             launcher=settings.launcher,
             launcher_error=launcher.last_error,
             version=VERSION,
