@@ -120,3 +120,16 @@ def test_invalid_yaml_in_set_or_in_the_file_exits_2_naming_it(tmp_path):
     result = run_miles(tmp_path, "schedule", "set", "1", "max_staleness=[1,", "--store", f"sqlite:///{tmp_path}/m.db")
     assert result.returncode == 2, result.stderr
     assert "'max_staleness=[1,': invalid YAML" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_dashboards_launch_form_parses_with_the_bounded_loader():
+    """The dashboard's pasted spec goes through the same loader: a bomb is a syntax error on the form, fast."""
+    import time
+
+    from miles_dashboard.specs import SpecSyntaxError, parse_yaml
+
+    start = time.perf_counter()
+    with pytest.raises(SpecSyntaxError):
+        parse_yaml("name: bomb\nrollout:\n  environment_args:\n" + alias_bomb(indent="    "))
+    assert time.perf_counter() - start < 1.0
+    assert parse_yaml("name: ok\nschedule: {num_steps: 3}") == {"name": "ok", "schedule": {"num_steps": 3}}

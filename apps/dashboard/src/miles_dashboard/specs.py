@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import yaml
 
+from miles_control.yaml_safe import compose_yaml, load_yaml
+
 
 class SpecSyntaxError(ValueError):
     def __init__(self, message: str, line: int | None = None) -> None:
@@ -13,7 +15,7 @@ class SpecSyntaxError(ValueError):
 
 def parse_yaml(text: str) -> dict:
     try:
-        data = yaml.safe_load(text) or {}
+        data = load_yaml(text) or {}  # bounded: a pasted alias bomb is refused, not expanded
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark else ""
@@ -61,7 +63,7 @@ def gutter_css(key: str, num_lines: int, marks: dict[int, str] | set[int]) -> st
 def field_line(text: str, path: str) -> int | None:
     """The 1-based line of `path` (e.g. `rollout.sampling.top_p`) in the YAML, or of its nearest parent."""
     try:
-        node = yaml.compose(text)
+        node = compose_yaml(text)
     except yaml.YAMLError:
         return None
     line = None
