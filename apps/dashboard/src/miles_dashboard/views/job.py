@@ -287,7 +287,8 @@ def _logs(job) -> None:
     except ApiError as exc:
         st.info(exc.message)
         return
-    whose = "The driver's log" if source == "driver" else f"The log of SGLang server {source.removeprefix('engine-')}"
+    described = {s.name: s.description for s in sources}  # the server says whose: "SGLang server 0, after restart 1"
+    whose = "The driver's log" if source == "driver" else f"The log of {described.get(source, source)}"
     st.caption(
         f"{whose}, attempt {attempt} (the last {kib} KiB"
         + ("; it follows the job while it runs)" if job.status in ACTIVE else ")")
