@@ -170,3 +170,18 @@ def test_partial_rollouts_continue_what_a_push_aborts(tmp_path):
     assert len(syncs) == 8, syncs  # a push per step (update_weights_interval 1)
     assert all(s.attrs["pause_mode"] == "abort" for s in syncs)
     assert all(s.attrs["trainer_fingerprint"] == s.attrs["engine_fingerprint"] for s in syncs)
+
+
+def test_unchecked_pushes_and_unclipped_norms_are_reported_as_what_they_are(tmp_path):
+    """Issue 55, item 5: with the weight check off, `sync/weights_match` read 1.0 although nothing was compared, and
+    with `optimizer.max_grad_norm: null` (the demo's setting) `train/grad_norm` read 0.0. Now an unchecked push
+    records no match value and the job says so once; the norm is measured either way."""
+    overrides = ["sync.check_weights=false", "train.optimizer.max_grad_norm=null"]
+    store = run(tmp_path, "rollout.engine.type=hf", "schedule.num_steps=2", *overrides)
+    assert store.job(1).status == "succeeded", store.job(1).error
+    assert series(store, "sync/weights_match") == {}
+    assert len(series(store, "sync/weight_version")) == 2  # the pushes happened and were recorded
+    said = [e.message for e in store.events(1) if e.kind == "weights_unchecked"]
+    assert len(said) == 1 and "sync.check_weights is off" in said[0], said
+    norms = series(store, "train/grad_norm")
+    assert len(norms) == 2 and all(n > 0 for n in norms.values()), norms

@@ -14,7 +14,7 @@ with staleness 0, 1, 2 within each group (`offpolicy-partial`: each token its ow
 `qat-FORMAT` sets train.quantization (int4 groups of 32); `mis` masks tokens whose ratio leaves [0.4, 3] on the
 off-policy batch.
 `json:{...}` takes one step with train.algorithm, its shared loss settings and the learning rate from the JSON
-(`{"algorithm": {...}, "settings": {...}, "lr": 1e-12, "teacher": DIR, "critic": {...}, "batch": "offpolicy",
+(`{"algorithm": {...}, "settings": {...}, "lr": 1e-12, "max_grad_norm": null, "teacher": DIR, "critic": {...}, "batch": "offpolicy",
 "expect_error": true, "resume": true, "routed": FILE, "replay": true}`; `routed`: the engine's routing of each row,
 recorded with the logprobs before the step); an expected error is recorded with the weights after it instead of failing
 the rank; `resume` runs the whole sequence below (step, save, step, load, step) instead of one step.
@@ -113,7 +113,7 @@ def main() -> None:
             "precision": precision,
             "quantization": quantization,
             "quant_group_size": 32,
-            "optimizer": {"lr": custom.get("lr", 1e-3), "max_grad_norm": 1.0},
+            "optimizer": {"lr": custom.get("lr", 1e-3), "max_grad_norm": custom.get("max_grad_norm", 1.0)},
             "algorithm": algorithm,
             "teacher": custom.get("teacher"),
             "critic": custom.get("critic"),

@@ -503,6 +503,17 @@ def test_each_objective_split_over_ranks_and_minibatches_matches_plain_pytorch(n
     assert 0 < metrics["train/clipfrac"] < 1  # the clip bites on some tokens: the test has teeth
 
 
+@pytest.mark.parametrize("variant", ["fsdp2", "megatron", "torchtitan"])
+def test_the_grad_norm_is_measured_when_nothing_clips(variant, tiny_model_dir, tmp_path):
+    """Issue 55: with optimizer.max_grad_norm null (the demo's setting) train/grad_norm read 0.0. It is the real
+    norm of every backend, as plain PyTorch computes it, whether or not it is clipped."""
+    config = AlgorithmConfig(name="grpo")
+    spec = {"settings": {"num_minibatches": 2, "old_logprobs": "rollout"}, "lr": 1e-12, "batch": "offpolicy"}
+    result = run_ranks(tiny_model_dir, 2, tmp_path, variant, mode="json:" + json.dumps({**spec, "max_grad_norm": None}))
+    plain = plain_minibatch_updates(tiny_model_dir, config)
+    assert result["metrics"]["train/grad_norm"] == pytest.approx(sum(norm for _, norm in plain) / 2, rel=1e-4)
+
+
 @pytest.mark.parametrize(
     ("objective", "world_size", "message"),
     [

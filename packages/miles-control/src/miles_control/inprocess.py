@@ -92,7 +92,8 @@ def run_steps(
             engine_fp = engine.receive(handle)
             steps.append(
                 {
-                    "weights_match": engine_fp == handle.fingerprint,
+                    # None: the engine's fingerprint is of its own copy, not of what serves (unmeasured)
+                    "weights_match": engine_fp == handle.fingerprint if engine.verifies_loads else None,
                     "num_tensors": handle.num_tensors,
                     "num_bytes": handle.num_bytes,
                     "dtype": handle.dtype,

@@ -44,6 +44,10 @@ class RolloutEngine(Protocol):
     """
 
     name: str
+    # Whether `receive`'s fingerprint is of the weights that serve generation (the hf engine's own model; SGLang's
+    # servers, checked against their checksums with verify_weights), rather than of a copy the engine keeps: only
+    # then is a push's weight check a measurement.
+    verifies_loads: bool
 
     @property
     def weight_version(self) -> int: ...

@@ -42,6 +42,7 @@ class Received(Timed):
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the push (summary.push_breakdown)
     # schedule.push_between_batches: when the push waited for the batch being generated to end (start, end)
     waited: tuple[float, float] | None = None
+    checked: bool = True  # the fingerprint is of the weights that serve (RolloutEngine.verifies_loads)
 
 
 @dataclass

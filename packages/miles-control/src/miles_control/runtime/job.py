@@ -114,6 +114,7 @@ class JobRuntime:
         self.spec = spec
         self.recorder = recorder
         self.prompts_used = 0  # prompts drawn for the batches recorded so far (what a checkpoint stores)
+        self._said_unchecked = False  # the job said once that its pushes are not checked
         self.run_dir = run_dir
         self.weight_version = 0
         self._warned_update_lost = False
@@ -388,6 +389,19 @@ class JobRuntime:
                 f"{version} (trainer {handle.fingerprint}, engine {engine_fp})"
             )
         waited_s = waited[1] - waited[0] if waited is not None else 0.0
+        checked = self.spec.sync.check_weights and received.checked
+        if not checked and not self._said_unchecked:  # once per job: the pushes' weights_match is unmeasured
+            self._said_unchecked = True
+            why = (
+                "sync.check_weights is off"
+                if not self.spec.sync.check_weights
+                else "the engine's servers are not checked (rollout.engine.verify_weights is off, or a packed push)"
+            )
+            self.recorder.event(
+                "weights_unchecked",
+                f"weight pushes are not checked: {why}; sync/weights_match is not recorded",
+                step=step,
+            )
         return {
             "sync/latency_s": end - start - waited_s,
             "sync/wait_batch_s": waited_s,
@@ -396,8 +410,7 @@ class JobRuntime:
             "sync/tensors": float(handle.num_tensors),
             "sync/unchanged_tensors": float(handle.unchanged_tensors),  # sync.delta: tensors not sent
             "sync/weight_version": float(version),
-            "sync/weights_match": float(match),
-        }
+        } | ({"sync/weights_match": float(match)} if checked else {})
 
     def evaluate(self, step: int) -> dict[str, float]:
         import ray

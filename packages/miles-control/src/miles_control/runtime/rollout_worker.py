@@ -367,8 +367,9 @@ class RolloutWorker:
                 paused_s += time.time() - back
         phases |= inside or {}  # SGLang: waiting for a health probe, pausing the servers, the server check
         return Received(
-            start, time.time(), fingerprint, self.engine.weight_version, paused_s, failure, rolled_back_to, phases
-        )
+            start, time.time(), fingerprint, self.engine.weight_version, paused_s, failure, rolled_back_to, phases,
+            checked=self.engine.verifies_loads,
+        )  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop the stream and the engine (its servers)."""

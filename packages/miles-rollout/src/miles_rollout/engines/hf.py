@@ -55,6 +55,8 @@ class HFEngine:
     name = "hf"
     max_concurrent_calls = 1  # one batch decodes at a time: calls that arrive meanwhile form the next batch
 
+    verifies_loads = True  # its fingerprint is of the model that generates
+
     def __init__(
         self, model_path: str | Path, config: HFEngineConfig, seed: int = 0, lora: dict[str, Any] | None = None
     ) -> None:

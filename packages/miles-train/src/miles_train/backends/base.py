@@ -162,7 +162,8 @@ class BackendCore:
     overflow_skips = 0  # optimizer steps skipped for an fp16 overflow (dynamic loss scaling), since the start
 
     def _step_optimizer(self) -> float | None:
-        """Reduce gradients, clip to `optimizer.max_grad_norm`, step; the global norm (None unclipped)."""
+        """Reduce gradients, clip to `optimizer.max_grad_norm` (measure only, where it is None), step; the global
+        norm, or None when the step was skipped (an fp16 overflow)."""
         raise NotImplementedError
 
     def _dp_group(self) -> Any:

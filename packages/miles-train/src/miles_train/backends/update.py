@@ -40,7 +40,6 @@ METRIC_SUMS = (
     "mis_dropfrac",
     "mismatch_k3",
 )  # summed over trained tokens and divided by their number; train/objective is the aggregated loss itself
-_NEUTRAL = {"tis": 1.0}  # what a metric reads when its term is off (the others: 0)
 CRITIC_SUMS = ("value_loss", "value_clipfrac", "value_pred")  # the same, for PPO's critic
 
 
@@ -118,7 +117,8 @@ class TrainerBase(BackendCore):
                 f"ranks a row in each of {settings.num_minibatches} minibatches"
             )
         minibatches = [list(range(len(batch)))[m :: settings.num_minibatches] for m in range(settings.num_minibatches)]
-        sums = dict.fromkeys(METRIC_SUMS, 0.0)
+        sums = dict.fromkeys(METRIC_SUMS, 0.0)  # every key takes part in the reduction, in one order on all ranks
+        measured: set[str] = set()  # the terms this objective computes (the same on every rank)
         tis_max = 0.0
         ages = batch.staleness if batch.staleness is not None else [0] * len(batch)
         sample_weights = staleness_weights(ages, settings.staleness, settings.staleness_decay, settings.drop_older_than)
@@ -162,12 +162,16 @@ class TrainerBase(BackendCore):
             objective += part.pop("objective")
             for key, value in part.items():
                 sums[key] += value
+                measured.add(key)
         total_tokens = float(batch.num_response_tokens)
         *reduced, objective = self._all_reduce([*sums.values(), objective])
         self.step += 1
-        metrics = {f"train/{k}": v / max(total_tokens, 1.0) for k, v in zip(sums, reduced, strict=True)}
+        metrics = {
+            f"train/{k}": v / max(total_tokens, 1.0) for k, v in zip(sums, reduced, strict=True) if k in measured
+        }
         metrics["train/objective"] = objective / len(minibatches)
-        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        if grad_norms:  # none when every minibatch's step was skipped (fp16 overflow): unmeasured, not 0.0
+            metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/num_tokens"] = total_tokens
         full_mask = collate(batch, self.pad_token_id).loss_mask
         metrics["train/advantage_abs_mean"] = float((advantages.abs() * full_mask).sum() / full_mask.sum().clamp(min=1))
@@ -178,7 +182,9 @@ class TrainerBase(BackendCore):
             )
         if self._frozen_kl is not None:
             metrics["train/teacher_kl"] = self._frozen_kl  # mean over the batch's tokens of log π_old − log π_teacher
-        metrics["train/tis_max"] = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]
+        tis_max = self._all_reduce([tis_max], op=dist.ReduceOp.MAX)[0]  # every rank joins the collective
+        if "tis" in measured:
+            metrics["train/tis_max"] = tis_max
         metrics["train/sample_weight_mean"] = float(sample_weights.mean())
         if batch.token_staleness is not None:  # partial rollouts: the weight of the tokens, each by its own age
             metrics["train/token_weight_mean"] = float((token_weights * full_mask).sum() / full_mask.sum().clamp(min=1))
@@ -240,7 +246,7 @@ class TrainerBase(BackendCore):
         self._diffs.append(diff.abs()[m.bool()].cpu())
         tis = parts.get("tis")
         sums = {
-            "tis_max": float((tis * m).max()) if tis is not None else 0.0,
+            "tis_max": float((tis * m).max()) if tis is not None else 0.0,  # reported only where tis is on
             "objective": float(loss.detach()),
         }
         values = {
@@ -254,9 +260,10 @@ class TrainerBase(BackendCore):
             **parts,
         }
         with torch.no_grad():
-            for key in METRIC_SUMS:  # a term that is off reads as its neutral value (tis 1, fractions and KL 0)
+            for key in METRIC_SUMS:  # a term that is off is not measured: it has no sum (and no metric)
                 value = values.get(key)
-                sums[key] = float((value.detach() * m).sum() if value is not None else _NEUTRAL.get(key, 0.0) * m.sum())
+                if value is not None:
+                    sums[key] = float((value.detach() * m).sum())
         return sums
 
     def _critic_metrics(

@@ -60,9 +60,10 @@ class FSDP2Backend(FullStateBackend):
         norm = None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients
-        if self.config.optimizer.max_grad_norm is not None:
-            total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm)
-            norm = float(full_tensor(total))
+        # An infinite bound measures the norm without clipping: train/grad_norm is the real norm either way.
+        limit = self.config.optimizer.max_grad_norm or float("inf")
+        total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
+        norm = float(full_tensor(total))
         if self.scaler is None:
             self.optimizer.step()
             return norm

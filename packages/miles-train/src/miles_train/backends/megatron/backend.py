@@ -24,6 +24,10 @@ from miles_train.collate import Collated
 log = logging.getLogger(__name__)
 
 
+# max_grad_norm None: a bound no norm reaches, so Megatron's optimizer still measures the norm (with clip_grad 0 it
+# reports 0.0) and never scales a gradient.
+UNCLIPPED = 1e30
+
 class MegatronBackend(Backend):
     name = "megatron"
 
@@ -89,7 +93,7 @@ class MegatronBackend(Backend):
                     adam_beta2=opt.betas[1],
                     adam_eps=opt.eps,
                     weight_decay=opt.weight_decay,
-                    clip_grad=opt.max_grad_norm or 0.0,
+                    clip_grad=opt.max_grad_norm or UNCLIPPED,
                     params_dtype=torch.float32,
                     bf16=self.config.precision == "bf16",
                     fp16=self.config.precision == "fp16",
@@ -144,7 +148,7 @@ class MegatronBackend(Backend):
                 raise RuntimeError("megatron: the optimizer skipped the step (non-finite gradients)")
             self.overflow_skips += 1  # the loss scaler backs off; the step is skipped
             return None
-        return float(grad_norm) if self.config.optimizer.max_grad_norm is not None and grad_norm is not None else None
+        return float(grad_norm) if grad_norm is not None else None
 
     def _dp_group(self):
         return parallelize.data_parallel_group()

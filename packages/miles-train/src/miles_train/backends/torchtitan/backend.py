@@ -108,11 +108,8 @@ class TorchtitanBackend(FullStateBackend):
         return full_tensor(logits)[..., : self.vocab_size]
 
     def _step_optimizer(self) -> float | None:
-        norm = None
-        max_norm = self.config.optimizer.max_grad_norm
-        if max_norm is not None:
-            total = parallelize.clip_grad_norm(list(self.model.parameters()), max_norm)
-            norm = float(full_tensor(total))
+        max_norm = self.config.optimizer.max_grad_norm or float("inf")  # inf: the norm, measured, nothing clipped
+        norm = float(full_tensor(parallelize.clip_grad_norm(list(self.model.parameters()), max_norm)))
         self.optimizer.step()
         return norm
 
