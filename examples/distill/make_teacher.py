@@ -1,5 +1,6 @@
 """Build the distillation example's teacher: the built-in model warm-started further than the student (held-out
-accuracy ≥ 0.6 instead of 0.35; the same architecture and tokenizer), copied to .miles/teacher-arithmetic.
+accuracy ≥ 0.6 instead of 0.35; the same architecture and tokenizer), copied to the repository's
+.miles/teacher-arithmetic (where arithmetic-distill.yaml's relative `train.teacher` points, from any working directory).
 
     .venv/bin/python examples/distill/make_teacher.py       # about a minute on 2 cores, cached afterwards
 
@@ -24,5 +25,6 @@ def build_teacher(dest: Path) -> Path:
 
 
 if __name__ == "__main__":
-    folder = build_teacher(Path(sys.argv[1] if len(sys.argv) > 1 else ".miles/teacher-arithmetic"))
+    default = Path(__file__).resolve().parents[2] / ".miles" / "teacher-arithmetic"
+    folder = build_teacher(Path(sys.argv[1]) if len(sys.argv) > 1 else default)
     print(f"teacher: {folder}")

@@ -277,3 +277,47 @@ def test_a_critic_folder_must_read_the_policys_token_ids(llama32_bf16, tmp_path)
     with pytest.raises(JobCheckError, match="train.critic.model: its vocabulary has 16 ids, the policy's 32"):
         check_job(spec(train={"algorithm": "ppo", "critic": {"model": str(tmp_path / "small")}}), llama32_bf16)
     check_job(spec(train={"algorithm": "ppo", "critic": {"model": str(llama32_bf16)}}), llama32_bf16)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("def score(response, label):\n    return 1.0\n", r"rollout.reward: rewards_probe:score has the signature"),
+        (
+            "def score(sample):\n    return 'yes'\n",
+            r"rollout.reward: reward 'rewards_probe:score' returned 'yes' \(str\)",
+        ),
+        ("def score(sample):\n    return float('nan')\n", r"rollout.reward: .* a reward must be a finite number"),
+        ("def score(sample):\n    return sample.metadata['missing']\n", r"rollout.reward: .* raised KeyError"),
+        ("async def score(sample):\n    return None\n", r"rollout.reward: .* returned None"),
+        (
+            "from miles_rollout.rewards import batched\n@batched\ndef score(samples):\n    return 1.0\n",
+            r"rollout.reward: rewards_probe:score \(@batched\) returned float for 1 sample",
+        ),
+    ],
+)
+def test_a_users_reward_is_called_on_the_data_before_anything_starts(
+    llama32_bf16, tmp_path, monkeypatch, source, message
+):
+    """Issue 55, item 4: a reward returning a string, or with the wrong signature, was caught only after the
+    engines started, the signature error a bare TypeError. The driver now calls the reward on the first prompt (its
+    label as the response) before any actor starts, and the error names rollout.reward."""
+    from miles_rollout.types import PromptRecord
+
+    (tmp_path / "rewards_probe.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "rewards_probe", raising=False)
+    prompts = [PromptRecord(prompt="1+1=", label="2")]
+    with pytest.raises(JobCheckError, match=message):
+        check_job(spec(rollout={"engine": {"type": "hf"}, "reward": "rewards_probe:score"}), llama32_bf16, prompts)
+
+
+def test_a_good_users_reward_passes_the_probe(llama32_bf16, tmp_path, monkeypatch):
+    from miles_rollout.types import PromptRecord
+
+    (tmp_path / "rewards_ok.py").write_text(
+        "def score(sample):\n    return float(sample.response_text == sample.label)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_job(spec(rollout={"engine": {"type": "hf"}, "reward": "rewards_ok:score"}), llama32_bf16,
+              [PromptRecord(prompt="1+1=", label="2")])  # fmt: skip

@@ -6,6 +6,7 @@ import pytest
 
 from miles_control.config import PathModelConfig
 from miles_control.spec import SpecError, load_spec
+from miles_control.spec_paths import PATH_FIELDS
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))  # with the task folders (examples/capitals/)
@@ -35,8 +36,11 @@ def test_every_shipped_example_parses(path):
         parsed = spec
         for key in keys:
             parsed = parsed[key]
-        if isinstance(value, str) and keys[-1] in ("path", "reward") and ":" not in value:
-            continue  # paths resolved against the job file's folder
+        if isinstance(value, str) and keys[-1] == "reward" and ":" not in value:
+            continue  # a registered reward's name
+        if tuple(k if not k.isdigit() else "*" for k in keys) in PATH_FIELDS and value not in ("none", "model"):
+            assert parsed == str((path.parent / value).resolve()), keys  # resolved against the job file's folder
+            continue
         assert parsed == value, (".".join(keys), value, parsed)
 
 
@@ -229,3 +233,31 @@ def test_dynamic_sampling_and_the_overlong_penalty_are_refused_where_they_mean_n
     episodes = {"generate": "multi_turn", "environment": "m:E", "overlong_penalty": {"buffer": 2}}
     with pytest.raises(ValueError, match="overlong_penalty: measures a single-turn response"):
         JobSpec.model_validate({"name": "s", "rollout": episodes})
+
+
+def test_relative_paths_are_the_job_files_and_set_values_the_working_directorys(tmp_path, monkeypatch):
+    """Issue 55, item 4: a relative data.path resolved against the working directory, not the job file's folder.
+    Every path field of the file is now the file's; a --set value is the command line's; a Hub id stays one."""
+    jobs, elsewhere = tmp_path / "jobs", tmp_path / "elsewhere"
+    (jobs / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (jobs / "data" / "train.jsonl").write_text('{"prompt": "a", "label": "b"}\n')
+    spec_file = write(
+        jobs,
+        "name: x\ndata:\n  source: file\n  path: data/train.jsonl\n  eval_path: data/eval.jsonl\n"
+        "  chat_template: tmpl.jinja\ntrain:\n  algorithm: distill\n  teacher: ../teacher\noutput_dir: runs\n",
+    )
+    monkeypatch.chdir(elsewhere)
+    spec = load_spec(spec_file)
+    assert spec.data.path == str(jobs / "data" / "train.jsonl")
+    assert spec.data.eval_path == str(jobs / "data" / "eval.jsonl")  # not there yet: still the file's folder
+    assert spec.data.chat_template == str(jobs / "tmpl.jinja")
+    assert spec.train.teacher == str(tmp_path / "teacher") and spec.output_dir == str(jobs / "runs")
+    spec = load_spec(spec_file, ["data.path=mine.jsonl", "output_dir=/abs/runs"])
+    assert spec.data.path == str(elsewhere / "mine.jsonl") and spec.output_dir == "/abs/runs"
+    assert spec.data.eval_path == str(jobs / "data" / "eval.jsonl")  # untouched by the --set values
+    hub = write(jobs, "name: x\ndata:\n  source: hf\n  path: org/dataset\n  chat_template: model\n")
+    spec = load_spec(hub)
+    assert spec.data.path == "org/dataset" and spec.data.chat_template == "model"  # a Hub id, a named choice
+    local = write(jobs, "name: x\ndata:\n  source: hf\n  path: data/train.jsonl\n")
+    assert load_spec(local).data.path == str(jobs / "data" / "train.jsonl")  # names a file beside the job file

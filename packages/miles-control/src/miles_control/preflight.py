@@ -50,7 +50,7 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
 
     from miles_rollout.engines import check_model as check_engine_model
     from miles_rollout.engines.checkpoint import engine_dtype
-    from miles_rollout.rewards import resolve_reward
+    from miles_rollout.rewards import probe_reward, registered_rewards, resolve_reward
     from miles_train.backends import check_model as check_backend_model
 
     hf_config = AutoConfig.from_pretrained(str(model_path))
@@ -80,7 +80,10 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     check_precision(spec, model_path)
     check_quantization(spec, hf_config)
     try:
-        resolve_reward(spec.rollout.reward, spec.rollout.remote_reward)
+        reward = resolve_reward(spec.rollout.reward, spec.rollout.remote_reward)
+        if spec.rollout.reward not in registered_rewards() and prompts:  # a user's reward: tried on the data now
+            # an episode's reward reads its transcript, which only a rollout makes: its signature is checked alone
+            probe_reward(reward, spec.rollout.reward, prompts[0], call=spec.rollout.environment is None)
     except ValueError as exc:
         raise JobCheckError(f"rollout.reward: {exc}") from None
     check_episodes(spec, hf_config)

@@ -1,4 +1,5 @@
-"""Load a job spec from YAML with `--set path.to.field=value` overrides; errors name the field."""
+"""Load a job spec from YAML with `--set path.to.field=value` overrides; errors name the field. A relative path in
+the file is taken from the file's folder, one in a `--set` value from the working directory."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from miles_control.config import JobSpec
+from miles_control.spec_paths import path_values, resolve_relative
 from miles_control.yaml_safe import MAX_YAML_CHARS, load_yaml
 
 
@@ -192,6 +194,12 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
         raise SpecError(str(path), [f"{where}: invalid YAML ({getattr(exc, 'problem', None) or exc})"]) from None
     if not isinstance(data, dict):
         raise SpecError(str(path), [f"(top level): expected a mapping, got {type(data).__name__}"])
+    # Relative paths of the file are the file's (its data beside it, wherever `miles run` starts); a `--set` value
+    # is the command line's, so relative to the working directory.
+    resolve_relative(data, path.resolve().parent)
     for assignment in overrides:
+        before = {loc: node[key] for loc, node, key, _ in path_values(data)}
         apply_override(data, assignment)
+        changed = {loc for loc, node, key, _ in path_values(data) if before.get(loc) != node[key]}
+        resolve_relative(data, Path.cwd(), only=changed)
     return parse_spec(data, str(path))

@@ -91,6 +91,51 @@ def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
+def probe_reward(reward_fn: RewardFn, name: str, record: Any, call: bool = True) -> None:
+    """Before any engine starts: `reward_fn` takes what Miles passes it (one Sample, or a list for `@batched`), and,
+    with `call`, scores a sample made of `record` (a PromptRecord; its label as the response) with a finite number.
+    Raises ValueError naming what is wrong; the caller names the spec's field."""
+    is_batched = getattr(reward_fn, "batched", False)
+    sample = Sample(
+        group_index=0, prompt=record.prompt, label=record.label, prompt_ids=[], response_ids=[], rollout_logprobs=[],
+        loss_mask=[], response_text=record.label, metadata=dict(record.metadata), weight_versions=[0],
+    )  # fmt: skip
+    argument: Any = [sample] if is_batched else sample
+    try:
+        signature = inspect.signature(reward_fn)
+    except (TypeError, ValueError):  # a builtin or extension callable: nothing to read, the call below tells
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(argument)
+        except TypeError as exc:
+            takes = "a list of Samples (it is @batched)" if is_batched else "one Sample (.response_text, .label, ...)"
+            raise ValueError(f"{name} has the signature {signature}; a reward takes {takes}: {exc}") from None
+    if not call:
+        return
+    try:
+        values = reward_fn(argument)
+        if inspect.isawaitable(values):
+            values = asyncio.run(_awaited(values))
+    except Exception as exc:  # noqa: BLE001 - the user's code: reported with the field, before anything started
+        raise ValueError(
+            f"{name} raised {type(exc).__name__}: {exc} when called on the first prompt ({record.prompt[:60]!r}) "
+            f"with its label as the response"
+        ) from None
+    if is_batched:
+        if not isinstance(values, list | tuple) or len(values) != 1:
+            raise ValueError(f"{name} (@batched) returned {type(values).__name__} for 1 sample; it returns a list")
+        values = values[0]
+    try:
+        as_reward(values, sample, name)
+    except RewardError as exc:
+        raise ValueError(str(exc)) from None
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
 def registered_rewards() -> list[str]:
     return sorted([*_REGISTRY, "remote"])
 
