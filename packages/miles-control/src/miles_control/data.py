@@ -103,7 +103,13 @@ def _open_hf(config: DataConfig) -> Any:
                     f"data.path: {path} is neither a Hub id nor an absolute path (a local path is absolute or starts "
                     f"with ./): {exc}"
                 ) from None
-            folder = snapshot(path, "data.path", repo_type="dataset", revision=config.revision)
+            try:
+                folder = snapshot(path, "data.path", repo_type="dataset", revision=config.revision)
+            except HubError as exc:  # a local path meant here would have been made absolute when the spec loaded
+                raise HubError(
+                    f"{exc} (read as a Hub id: no file or folder {path!r} lies beside the job file; a local path "
+                    "is absolute or starts with ./)"
+                ) from None
             return datasets.load_dataset(str(folder))
         if glob.has_magic(path) or local.is_file():
             files = sorted(glob.glob(str(local))) if glob.has_magic(path) else [str(local)]
