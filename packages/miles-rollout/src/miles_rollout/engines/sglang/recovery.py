@@ -4,13 +4,15 @@ held) and re-admits the server once it answers `/health_generate` again."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from miles_rollout.config import SGLangEngineConfig
 from miles_rollout.engines.sglang.router import Slot
-from miles_rollout.engines.sglang.server import SGLangServer
+from miles_rollout.engines.sglang.server import SGLangServer, tail
 from miles_rollout.engines.sglang.weights import WeightLoader, WeightMismatchError
 
 
@@ -48,10 +50,17 @@ def recover(
     `launch(index, restart)` starts server `index` for its `restart`-th time; `on_restart` hears of each restart
     as it begins (the engine's owner records it)."""
     if slot.server is not None and not slot.server.alive():
-        if slot.restarts >= config.max_restarts:
-            raise RuntimeError(f"gave up after {slot.restarts} restarts; log {slot.server.log_path}")
         crashed = slot.server
         exit_code = crashed.process.poll()
+        cause = crash_cause(crashed.log_path)
+        again = slot.last_crash is not None and _signature(cause) == _signature(slot.last_crash)
+        if again or slot.restarts >= config.max_restarts:
+            # The same crash twice is the server's own failure (a missing kernel, a model it cannot run): a third
+            # start would end alike. The restart budget is for failures that differ (a kill, an out-of-memory).
+            why = "crashed the same way twice" if again else f"crashed after {slot.restarts} restarts"
+            slot.given_up = f"sglang server {slot.index} {why}: {cause}\nlast lines of {crashed.log_path}:\n{tail(crashed.log_path, 12)}"
+            raise RuntimeError(slot.given_up)
+        slot.last_crash = cause
         crashed.stop()  # reap what is left of its process group
         weights.server_gone(slot)  # its shared files of a failed load can go now
         slot.restarts += 1
@@ -71,3 +80,19 @@ def recover(
         slot.note(f"loading weight version {version} before it serves again")
         weights.load_current(slot, version)
         weights.verify(slot, version)
+
+
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b.*$")
+
+
+def crash_cause(log_path: Path) -> str:
+    """What a crashed server's log says ended it: its last exception line (`NotImplementedError: ...`), else its
+    last line."""
+    lines = [line.strip() for line in tail(log_path, 200).splitlines() if line.strip()]
+    found = next((line for line in reversed(lines) if _EXCEPTION.match(line)), None)
+    return (found or (lines[-1] if lines else "an empty log"))[:500]
+
+
+def _signature(cause: str) -> str:
+    """A crash's cause with what differs between two processes (numbers: pids, ports, addresses) left out."""
+    return re.sub(r"0x[0-9a-f]+|\d+", "#", cause)

@@ -41,6 +41,8 @@ class Slot:
     served: int = 0  # generate calls completed
     answered_at: float = 0.0  # time.monotonic() of its last answered generate call
     paused: bool = False  # paused by the engine for a weight push (it had requests in flight)
+    last_crash: str | None = None  # what ended its last crashed process (recovery.crash_cause)
+    given_up: str | None = None  # why recovery stopped trying: the slot never serves again
     events: list[str] = field(default_factory=list)
 
     def note(self, message: str) -> None:
@@ -85,6 +87,10 @@ class Router:
                 slot = min(admitted, key=lambda s: (s.outstanding, s.index))
                 slot.outstanding += 1
                 return slot
+            if all(s.given_up for s in self.slots):  # none can come back: no point waiting out the deadline
+                raise NoHealthyEngineError(
+                    "no sglang server can serve: " + "; ".join(s.given_up or "" for s in self.slots)
+                )
             if time.monotonic() > deadline:
                 reasons = "; ".join(f"engine {s.index}: {s.reason}" for s in self.slots)
                 raise NoHealthyEngineError(f"no healthy sglang engine for {wait_s:.0f} s ({reasons})")
@@ -161,6 +167,8 @@ class Router:
         return slot.admitted and alive and slot.outstanding > 0 and recent
 
     def _try_recover(self, slot: Slot, problem: str | None) -> None:
+        if slot.given_up:
+            return
         dead = slot.server is not None and not slot.server.alive()
         if problem and not dead:
             return  # alive but not answering (or attached by URL): wait until it answers again
