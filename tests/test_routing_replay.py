@@ -108,3 +108,23 @@ def test_a_job_replays_sglangs_routing_in_the_trainer(backend, tmp_path):
     assert all(0.9 < a <= 1.0 for a in agreement.values()), agreement  # bf16: a near-tie may fall either way
     diffs = dict(store.metric_series(1, "train/logprob_diff"))
     assert all(d < 0.02 for d in diffs.values()), diffs  # the dense bf16 bound (tests/test_model_matrix.py)
+
+
+def test_replay_on_a_mixture_of_experts_with_dense_layers(tmp_path):
+    """Issue 55: a Qwen3-MoE whose first layer is dense (`mlp_only_layers: [0]`): the hf engine packs the routing of
+    the layers that have experts, and the trainer read it by absolute layer number, so layer 1's router got what
+    belonged to no layer, and the job failed mid-run. Layers are now matched by position: the replay agrees
+    everywhere in fp32."""
+    from miles_control.inprocess import run_steps
+    from miles_rollout import HFEngineConfig, build_engine
+    from miles_train.routing import routing_columns
+
+    model_dir = build_model("qwen3_moe", "float32", tmp_path / "moe", mlp_only_layers=[0])
+    engine = build_engine(HFEngineConfig(routed_experts=True), model_dir, seed=0)
+    train = {"backend": "fsdp2", "optimizer": {"lr": 1e-3}, "routing_replay": True}
+    steps = run_steps(engine, model_dir, "float32", train, TOY_PROMPTS, num_steps=2)
+    engine.shutdown()
+    assert [step["train/routing_agreement"] for step in steps] == [1.0, 1.0]
+    assert routing_columns([1, 3], 2) == {1: 0, 3: 1} and routing_columns([1, 3], 4) == {1: 1, 3: 3}
+    with pytest.raises(ValueError, match=r"the engine's routing has 3 layers; the model has routers in layers"):
+        routing_columns([1, 3], 3)

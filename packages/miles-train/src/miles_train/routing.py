@@ -82,19 +82,18 @@ def engine_routing(
     first = next(iter(found.values()))
     top_k = first.topk if _is_megatron(first) else first.top_k  # torchtitan's router: top_k too
     routed = routed.view(*routed.shape[:2], -1, top_k)  # [B, T, layers, top_k]
+    column = routing_columns(sorted(found), routed.shape[2])
     patched = []
     for layer, module in found.items():
-        if layer >= routed.shape[2]:
-            raise ValueError(f"routing replay: the engine's routing has {routed.shape[2]} layers, the model's router "
-                             f"of layer {layer} has none")  # fmt: skip
+        engine_layer = routed[:, :, column[layer]]
         own_forward = vars(module).get("forward")  # an instance's own forward (hooks), if any
         patched.append((module, own_forward, getattr(module, "router_replay", None)))
         if _is_megatron(module):
-            _MegatronReplay(routed[:, :, layer], replay, agreement).install(module)
+            _MegatronReplay(engine_layer, replay, agreement).install(module)
         elif _is_torchtitan(module):
-            module.forward = _torchtitan_replaying(module, routed[:, :, layer], replay, agreement)
+            module.forward = _torchtitan_replaying(module, engine_layer, replay, agreement)
         else:
-            module.forward = types.MethodType(_replaying(routed[:, :, layer], replay, agreement), module)
+            module.forward = types.MethodType(_replaying(engine_layer, replay, agreement), module)
     try:
         yield
     finally:
@@ -105,6 +104,20 @@ def engine_routing(
                 module.forward = own
             if _is_megatron(module):
                 module.router_replay = router_replay
+
+
+def routing_columns(layers: list[int], num_columns: int) -> dict[int, int]:
+    """Which of the engine's routing columns each router layer reads. An engine packs the layers that have experts in
+    order (the hf engine: a model whose first layers are dense has fewer columns than layers), or gives every layer
+    its column (its index); layers without experts are skipped by position either way."""
+    if num_columns == len(layers):
+        return {layer: i for i, layer in enumerate(layers)}
+    if num_columns > layers[-1]:
+        return {layer: layer for layer in layers}
+    raise ValueError(
+        f"routing replay: the engine's routing has {num_columns} layers; the model has routers in layers {layers} "
+        f"({len(layers)} of them)"
+    )
 
 
 def _is_megatron(module: torch.nn.Module) -> bool:
