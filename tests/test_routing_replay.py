@@ -128,3 +128,21 @@ def test_replay_on_a_mixture_of_experts_with_dense_layers(tmp_path):
     assert routing_columns([1, 3], 2) == {1: 0, 3: 1} and routing_columns([1, 3], 4) == {1: 1, 3: 3}
     with pytest.raises(ValueError, match=r"the engine's routing has 3 layers; the model has routers in layers"):
         routing_columns([1, 3], 3)
+
+
+def test_deepseek_v3_on_the_hf_engine_and_fsdp2_with_replay(tmp_path):
+    """Issue 55, item 2: a tiny DeepSeek-V3 (multi-head latent attention, a dense first layer, routed experts with
+    sigmoid scores, a score-correction bias buffer and a shared expert) failed at its first push (the bias buffer was
+    unknown to the hf engine), and its router (`DeepseekV3TopkRouter`) was not found by class name, so replay did
+    nothing. Pushes now carry the buffer with the weight check on, and the router, found by what it holds, replays
+    the engine's experts weighed as it weighs its own."""
+    from miles_control.inprocess import run_steps
+    from miles_rollout import HFEngineConfig, build_engine
+
+    model_dir = build_model("deepseek_v3", "float32", tmp_path / "dsv3")
+    engine = build_engine(HFEngineConfig(routed_experts=True), model_dir, seed=0)
+    train = {"backend": "fsdp2", "optimizer": {"lr": 1e-3}, "routing_replay": True}
+    steps = run_steps(engine, model_dir, "float32", train, TOY_PROMPTS, num_steps=2)
+    engine.shutdown()
+    assert all(step["weights_match"] for step in steps)
+    assert [step["train/routing_agreement"] for step in steps] == [1.0, 1.0]

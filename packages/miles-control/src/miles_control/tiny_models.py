@@ -90,6 +90,31 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "MixtralConfig",
         {"tie_word_embeddings": False, "sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    # DeepSeek-V3: multi-head latent attention (low-rank q and kv, a rope part of the head), the first layer dense
+    # (`first_k_dense_replace`), then routed experts (sigmoid scores with a score-correction bias buffer, group-limited
+    # top-k, scaled) beside a shared expert; untied head
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "tie_word_embeddings": False,
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 16,
+            "n_group": 2,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "num_key_value_heads": 4,
+        },
+    ),
     # a family no backend rebuilds and SGLang's weight check does not know
     "gpt2": ("GPT2Config", {}),
 }

@@ -8,8 +8,9 @@ largest source of train/inference mismatch in MoE RL. The engine returns the exp
 with their own (differentiable) probabilities, so the router still learns. Either way the trainer counts how often
 its own top-k agrees with the engine's (`train/routing_agreement`).
 
-The routers are transformers' top-k router modules (`<Family>TopKRouter`: `weight`, `top_k`, `norm_topk_prob`, or
-Mixtral's, which always renormalises; forward → router logits, the chosen experts' weights, their indices),
+The routers are transformers' top-k router modules, found by what they hold (`top_k`, a weight row per expert) and
+checked by what they return (router logits, the chosen experts' weights, their indices), whether they weigh experts
+by softmax (Qwen3-MoE, Mixtral) or by sigmoid with a scale (DeepSeek-V3),
 megatron-core's `TopKRouter` (its `router_replay` hook chooses the top-k; tokens in its [sequence, batch] order) or
 torchtitan's `TokenChoiceTopKRouter` (forward → the chosen experts' scores, their indices, every expert's score),
 found by module name `…layers.<i>…`.
@@ -24,32 +25,34 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-# Routers that always renormalise the chosen experts' probabilities (the others say so in `norm_topk_prob`)
-_RENORMALISING = ("MixtralTopKRouter",)
-
-
 def routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """The model's top-k routers by layer index (empty for a dense model)."""
+    """The model's top-k routers by layer index (empty for a dense model): megatron-core's and torchtitan's, and
+    transformers' by what they are (`is_topk_router`), whatever their class is called (`Qwen3MoeTopKRouter`,
+    `DeepseekV3TopkRouter`, ...)."""
     found = {}
     for name, module in model.named_modules():
-        kind = type(module).__name__
-        if _is_megatron(module) or _is_torchtitan(module):
+        if _is_megatron(module) or _is_torchtitan(module) or is_topk_router(module):
             match = _LAYER.search(name)
             if match is None:
-                raise ValueError(f"routing replay: router {name} ({kind}) is not in a numbered layer")
-            found[int(match.group(1))] = module
-        elif kind.endswith("TopKRouter"):
-            match = _LAYER.search(name)
-            known = hasattr(module, "norm_topk_prob") or kind in _RENORMALISING
-            if match is None or not known or not all(hasattr(module, a) for a in ("weight", "top_k")):
-                raise ValueError(f"routing replay: router {name} ({kind}) is not a top-k router miles knows")
+                raise ValueError(f"routing replay: router {name} ({type(module).__name__}) is not in a numbered layer")
             found[int(match.group(1))] = module
     return found
+
+
+def is_topk_router(module: torch.nn.Module) -> bool:
+    """transformers' top-k router, by what it holds: a `top_k` and one weight row per expert ([experts, hidden]).
+    What it returns (router logits, the chosen experts' weights, their indices) is checked at its first forward."""
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(getattr(module, "top_k", None), int)
+        and isinstance(weight, torch.nn.Parameter)
+        and weight.dim() == 2
+        and not isinstance(module, torch.nn.Linear | torch.nn.Embedding)
+    )
 
 
 class Agreement:
@@ -75,6 +78,11 @@ def engine_routing(
     top_k], −1 where the engine gave none) and, with `replay`, routes each position to the engine's experts. Without
     `routed` (a dense model, or an engine that returned no routing) nothing changes."""
     found = routers(model) if routed is not None else {}
+    if routed is not None and not found:
+        raise ValueError(
+            f"routing replay: the engine returned each token's experts, but {type(model).__name__} has no top-k "
+            "router miles can find (a module with `top_k` and a weight row per expert)"
+        )
     if not found:
         yield
         return
@@ -198,17 +206,43 @@ class _MegatronReplay:
 
 
 def _replaying(engine: torch.Tensor, replay: bool, agreement: Agreement) -> Any:
-    """A router forward that weighs the engine's experts (`engine`: [B, T, top_k]) where it chose some."""
+    """A transformers router's forward (class-level: (router logits, the chosen experts' weights, their indices)), its
+    top-k compared with the engine's (`engine`: [B, T, top_k]) and, with `replay`, replaced where given: the
+    engine's experts weighed as the router weighs its own (softmax or sigmoid scores, found by reproducing the
+    router's own weights; renormalised with `norm_topk_prob`; scaled by `routed_scaling_factor`)."""
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        hidden = hidden_states.reshape(-1, self.weight.shape[-1])
-        logits = F.linear(hidden, self.weight)
-        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-        _, own = torch.topk(probs, self.top_k, dim=-1)
+        out = type(self).forward(self, hidden_states)
+        if not (isinstance(out, tuple) and len(out) == 3 and not out[2].is_floating_point()):
+            raise ValueError(f"routing replay: router {type(self).__name__} does not return (logits, weights, "
+                             "indices) as transformers' top-k routers do")  # fmt: skip
+        logits, weights, own = out
         chosen = _choose(own, engine.reshape(-1, engine.shape[-1]).long(), replay, agreement)
-        weights = probs.gather(-1, chosen)
-        if getattr(self, "norm_topk_prob", True):  # the Mixtral router always renormalises
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights.to(logits.dtype), chosen
+        if not replay:
+            return out
+        weigh = _weighing(self, logits, weights, own)
+        return logits, weigh(chosen).to(weights.dtype), chosen
 
     return forward
+
+
+def _weighing(router: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor, own: torch.Tensor) -> Any:
+    """How `router` weighs chosen experts, found from its own output: the scoring (softmax over the experts, or
+    each expert's sigmoid) whose weights for its own choice are the ones it returned."""
+    renormalise = getattr(router, "norm_topk_prob", True)  # Mixtral's router always renormalises
+    scale = getattr(router, "routed_scaling_factor", 1.0)
+    for score in (lambda x: torch.softmax(x, dim=-1), torch.sigmoid):
+        scores = score(logits.float())
+
+        def weigh(chosen: torch.Tensor, scores: torch.Tensor = scores) -> torch.Tensor:
+            picked = scores.gather(-1, chosen)
+            if renormalise:
+                picked = picked / (picked.sum(dim=-1, keepdim=True) + 1e-20)
+            return picked * scale
+
+        if torch.allclose(weigh(own).to(weights.dtype).float(), weights.float(), rtol=1e-3, atol=1e-5):
+            return weigh
+    raise ValueError(
+        f"routing replay: router {type(router).__name__} weighs its experts neither by softmax nor by sigmoid scores "
+        "(with norm_topk_prob and routed_scaling_factor): miles cannot weigh the engine's choice as it would"
+    )

@@ -111,7 +111,11 @@ class HFEngine:
         if self._views is None:
             from transformers.core_model_loading import revert_weight_conversion
 
-            params = dict(self.model.named_parameters())
+            # the persistent buffers too (DeepSeek-V3's score-correction bias): the trainer's state dict carries them
+            saved = set(self.model.state_dict())
+            params = dict(self.model.named_parameters()) | {
+                name: buffer for name, buffer in self.model.named_buffers() if name in saved
+            }
             self._views = checkpoint_views(params, lambda tensors: revert_weight_conversion(self.model, tensors))
         return self._views
 
@@ -330,7 +334,9 @@ def _routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     found = {}
     for name, module in model.named_modules():
         match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-        if type(module).__name__.endswith("TopKRouter") and match is not None:
+        weight = getattr(module, "weight", None)  # a top-k router by what it holds, whatever its class's name
+        router = isinstance(getattr(module, "top_k", None), int) and isinstance(weight, torch.nn.Parameter)
+        if router and weight.dim() == 2 and not isinstance(module, torch.nn.Linear) and match is not None:
             found[int(match.group(1))] = module
     return found
 
