@@ -27,9 +27,13 @@ import torch
 # and the layers that differ from Llama's (Phi-3's fused checkpoint projections, OLMo-2's norms). The mixtures of
 # experts run on every backend (the matrix on one rank; tests/test_routing_replay.py runs megatron with its experts
 # over two).
-FAMILIES = ("qwen2.5", "llama3", "llama3.2", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral")
+FAMILIES = (
+    "qwen2.5", "llama3", "llama3.2", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma3_text",
+    "olmoe", "qwen2_moe", "deepseek_v3",
+)  # fmt: skip
 # What the rebuilt models of megatron and torchtitan do not cover, and the config.json field their refusal names
 # (everything else is expected to run).
+REBUILT = ("megatron", "torchtitan")
 REFUSED = {
     ("llama3.2", "megatron"): "rope_parameters.rope_type: 'llama3'",
     ("llama3.2", "torchtitan"): "rope_parameters.rope_type: 'llama3'",
@@ -37,6 +41,12 @@ REFUSED = {
     ("phi3", "torchtitan"): "model_type: 'phi3'",
     ("olmo2", "megatron"): "model_type: 'olmo2'",
     ("olmo2", "torchtitan"): "model_type: 'olmo2'",
+    **{(f, b): f"model_type: '{f}'" for f in ("gemma3_text", "olmoe", "qwen2_moe", "deepseek_v3") for b in REBUILT},
+}
+# What SGLang's CPU path cannot serve (miles_rollout.engines.SGLANG_CPU_REFUSED), refused before its servers start
+ENGINE_REFUSED = {
+    ("qwen2_moe", "sglang"): "model_type: 'qwen2_moe'",
+    ("deepseek_v3", "sglang"): "model_type: 'deepseek_v3'",
 }
 # The table docs/real-models.md shows, one row per family: what sets it apart
 TITLES = {
@@ -49,6 +59,10 @@ TITLES = {
     "olmo2": "OLMo-2 (norms after attention and MLP, q/k RMSNorm over all heads)",
     "qwen3_moe": "Qwen3-MoE (every MLP a mixture of experts, top-k routing)",
     "mixtral": "Mixtral (Llama's attention, `block_sparse_moe` experts w1/w3/w2)",
+    "gemma3_text": "Gemma 3 text (sandwich norms, q/k norms, scaled embeddings, sliding-window layers, tied head)",
+    "olmoe": "OLMoE (q/k norms, every MLP a mixture of experts, top-k without renormalising)",
+    "qwen2_moe": "Qwen2-MoE (routed experts beside a gated shared expert)",
+    "deepseek_v3": "DeepSeek-V3 (latent attention, dense first layer, sigmoid-scored experts, shared expert)",
 }
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("fsdp2", "megatron", "torchtitan")
@@ -74,7 +88,12 @@ def table() -> str:
             else:
                 cells.append(f"refused: `{refused}`")
                 first = refused
-        lines.append(f"| {TITLES[family]} | both | " + " | ".join(cells) + " |")
+        engines = (
+            f"`hf` (`sglang` refused: `{ENGINE_REFUSED[family, 'sglang']}`)"
+            if (family, "sglang") in ENGINE_REFUSED
+            else "both"
+        )
+        lines.append(f"| {TITLES[family]} | {engines} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -156,15 +175,42 @@ def run_plan(plan: list[tuple], workdir: Path, results: dict) -> None:
                 continue
             try:
                 held = engine_dtype(engine_config(engine_name, workdir).dtype, model_dir)
+                tensors = checkpoint_tensors(model_dir)
                 for backend_type in backends:
                     try:
                         result = run_combination(engine, model_dir, held, backend_type, workdir / key, **options)
                     except Exception:  # noqa: BLE001 - reported per combination
                         result = {"error": traceback.format_exc()[-3000:]}
-                    results[f"{key}/{backend_type}"] = {"engine_dtype": held, **result}
+                    results[f"{key}/{backend_type}"] = {"engine_dtype": held, "checkpoint_tensors": tensors, **result}
             finally:
                 stopper.submit(engine.shutdown)
             print(f"{key}: {time.time() - started:.1f} s", flush=True)
+
+
+def checkpoint_tensors(model_dir: Path) -> int:
+    """Tensors of the checkpoint as a push carries them (a tied head once: as the embedding)."""
+    from safetensors import safe_open
+
+    from miles_rollout.engines.checkpoint import tied_embeddings
+
+    names: set[str] = set()
+    for file in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as handle:
+            names |= set(handle.keys())
+    return len(names - ({"lm_head.weight"} if tied_embeddings(model_dir) else set()))
+
+
+def engine_refusal(engine: str, model_dir: Path) -> str | None:
+    """What the check a job runs first says of serving this model on `engine` (None: it serves it)."""
+    from transformers import AutoConfig
+
+    from miles_rollout.engines import check_model
+
+    try:
+        check_model(engine_config(engine, model_dir), AutoConfig.from_pretrained(model_dir))
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def capitals_prompts(model_dir: Path, num: int = 2) -> list[list[int]]:
@@ -204,8 +250,13 @@ def main() -> None:
             for cell in wanted:
                 family, dtype = cell.split("/")
                 model_dir = build_model(family, dtype, workdir / f"{family}-{dtype}")
+                refused = engine_refusal(engine, model_dir)
+                if refused is not None:  # before any server starts, as a job's check does
+                    results |= {f"{cell}/{engine}/{b}": {"refused": refused} for b in BACKENDS}
+                    continue
                 plan.append((model_dir, engine, BACKENDS, f"{cell}/{engine}", {}))
-    run_plan(plan, workdir, results)
+    if plan:
+        run_plan(plan, workdir, results)
     out.write_text(json.dumps(results, indent=1))
 
 

@@ -48,13 +48,16 @@ def test_pushes_the_engines_would_round_are_refused(llama32_bf16):
     check_job(spec(sync={"dtype": "float32"}, rollout={"engine": {"type": "hf", "dtype": "float32"}}), llama32_bf16)
 
 
-def test_sglang_weight_check_knows_its_families(llama32_bf16, tmp_path):
+def test_sglang_takes_any_family_with_its_check_and_refuses_what_its_cpu_path_cannot_serve(tmp_path):
+    """Issue 55: a family outside SGLang's layout table (GPT-2 here) is no longer refused: the engine derives the
+    layout from its servers. A family SGLang's CPU path cannot serve is refused before start, with the reason."""
     gpt2 = tiny_model("gpt2", vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
-    save_tiny_model(tmp_path, gpt2)
-    sglang = {"engine": {"type": "sglang"}}
-    with pytest.raises(JobCheckError, match="sglang engine: config.json model_type: 'gpt2' has no known SGLang"):
-        check_job(spec(rollout=sglang), tmp_path)
-    check_job(spec(rollout={"engine": {"type": "sglang", "verify_weights": False}}), tmp_path)
+    save_tiny_model(tmp_path / "gpt2", gpt2)
+    check_job(spec(rollout={"engine": {"type": "sglang"}}), tmp_path / "gpt2")
+    save_tiny_model(tmp_path / "moe", tiny_model("qwen2_moe", vocab_size=32))
+    with pytest.raises(JobCheckError, match=r"sglang engine: config.json model_type: 'qwen2_moe': .*Triton kernel"):
+        check_job(spec(rollout={"engine": {"type": "sglang"}}), tmp_path / "moe")
+    check_job(spec(), tmp_path / "moe")  # the hf engine serves it
 
 
 def test_a_format_whose_blocks_do_not_fit_the_model_is_refused(llama32_bf16):

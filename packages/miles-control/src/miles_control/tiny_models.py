@@ -90,6 +90,35 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "MixtralConfig",
         {"tie_word_embeddings": False, "sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    # Gemma 3 (text, e.g. gemma-3-270m): norms around attention and MLP, q/k RMSNorm, embeddings scaled by
+    # sqrt(hidden), sliding-window layers between global ones, tied head
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {"tie_word_embeddings": True, "head_dim": 16, "sliding_window": 32, "query_pre_attn_scalar": 16},
+    ),
+    # Qwen2-MoE (Qwen1.5-MoE): q/k/v biases, routed experts beside a shared expert with its own sigmoid gate
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "tie_word_embeddings": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "norm_topk_prob": False,
+        },
+    ),
+    # OLMoE: OLMo's q/k RMSNorm, every MLP 4 experts here (64 in OLMoE-1B-7B), top-2 without renormalising
+    "olmoe": (
+        "OlmoeConfig",
+        {
+            "tie_word_embeddings": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "num_key_value_heads": 4,
+        },  # as OLMoE-1B-7B: as many kv heads as heads (SGLang's k_norm assumes it)
+    ),
     # DeepSeek-V3: multi-head latent attention (low-rank q and kv, a rope part of the head), the first layer dense
     # (`first_k_dense_replace`), then routed experts (sigmoid scores with a score-correction bias buffer, group-limited
     # top-k, scaled) beside a shared expert; untied head
@@ -102,7 +131,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "n_routed_experts": 4,
             "num_experts_per_tok": 2,
             "n_shared_experts": 1,
-            "moe_intermediate_size": 16,
+            "moe_intermediate_size": 32,
             "n_group": 2,
             "topk_group": 1,
             "norm_topk_prob": True,
@@ -113,6 +142,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "qk_nope_head_dim": 8,
             "v_head_dim": 8,
             "num_key_value_heads": 4,
+            # YaRN, as DeepSeek-V3 ships it (SGLang's CPU rope path for MLA requires a scaling)
+            "rope_parameters": {
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            },  # fmt: skip
         },
     ),
     # a family no backend rebuilds and SGLang's weight check does not know

@@ -11,17 +11,30 @@ from miles_rollout.protocol import RolloutEngine
 
 def check_model(config: HFEngineConfig | SGLangEngineConfig, hf_config: Any) -> None:
     """Raise ValueError naming the config.json field of `hf_config` the engine cannot serve as configured. The
-    hf engine runs whatever transformers builds; the sglang engine's bit-exact weight check knows the weight
-    layout of a few families."""
-    if config.type == "sglang" and config.verify_weights:
-        from miles_rollout.engines.sglang.layout import FAMILIES
+    hf engine runs whatever transformers builds; SGLang serves what its own model classes hold (its weight check
+    derives the layout from the servers for families outside its table: engines/sglang/derived_layout.py)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if config.type == "sglang" and model_type in SGLANG_CPU_REFUSED and not _cuda():
+        raise ValueError(
+            f"sglang engine: config.json model_type: {model_type!r}: {SGLANG_CPU_REFUSED[model_type]}; use "
+            "rollout.engine.type: hf on this machine"
+        )
 
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in FAMILIES:
-            raise ValueError(
-                f"sglang engine: config.json model_type: {model_type!r} has no known SGLang weight layout for the "
-                f"weight check ({', '.join(FAMILIES)}); set rollout.engine.verify_weights: false to run it unchecked"
-            )
+
+# Families SGLang cannot serve on its CPU path, and why (each tried here: its servers fail to start or to answer).
+SGLANG_CPU_REFUSED: dict[str, str] = {
+    "qwen2_moe": "SGLang's CPU path runs its mixture of experts through a Triton kernel, and its servers crash at the "
+    "first request on a machine without a GPU ('RuntimeError: 0 active drivers')",
+    "deepseek_v3": "SGLang's DeepSeek model class reads DeepSeek's own config.json fields (moe_layer_freq, "
+    "topk_method, ...) that transformers' DeepseekV3Config does not write, and its latent attention on CPU is "
+    "untried here",
+}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def build_engine(

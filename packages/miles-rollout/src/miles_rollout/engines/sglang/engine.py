@@ -27,10 +27,12 @@ import httpx
 import torch
 
 from miles_rollout.config import PauseMode, SGLangEngineConfig
-from miles_rollout.engines.checkpoint import engine_dtype, tied_embeddings
+from miles_rollout.engines.checkpoint import engine_dtype, read_config, tied_embeddings
 from miles_rollout.engines.sglang.adapters import AdapterServing, server_flags
 from miles_rollout.engines.sglang.calls import ServerCalls
+from miles_rollout.engines.sglang.derived_layout import LayoutError
 from miles_rollout.engines.sglang.dispatch import Dispatcher
+from miles_rollout.engines.sglang.layout import FAMILIES
 from miles_rollout.engines.sglang.pause import PauseControl
 from miles_rollout.engines.sglang.recovery import EngineRestart, recover
 from miles_rollout.engines.sglang.router import Router, Slot
@@ -128,6 +130,17 @@ class SGLangEngine:
             self.name, self.slots, self._calls, self._dtype_name, initial, self.packed, self._versions
         )
         if self._server_check:  # before the router's health checks start
+            if (
+                read_config(self.model_path).get("model_type") not in FAMILIES
+            ):  # no table entry: the layout the first server built
+                try:
+                    self._weights.derive_from(self.slots[0])
+                except LayoutError as exc:
+                    raise ValueError(
+                        f"sglang engine: config.json model_type {read_config(self.model_path).get('model_type')!r}: the weight "
+                        f"check cannot follow SGLang's layout: {exc}; set rollout.engine.verify_weights: false to run it "
+                        "unchecked"
+                    ) from None
             for slot in self.slots:
                 self._weights.verify(slot, self._versions.version)
         self.router = Router(self.slots, self._recover, config.health_interval_s, config.health_timeout_s, self._busy)

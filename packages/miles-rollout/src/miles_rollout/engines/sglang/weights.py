@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from miles_rollout.engines.checks import check_names, check_push, held_fingerprint
 from miles_rollout.engines.sglang.calls import ServerCalls, on_admitted, tp_size
+from miles_rollout.engines.sglang.derived_layout import Recipe, derive_layout, expected_by_recipes
 from miles_rollout.engines.sglang.group import group_ranks, receive_through_group
 from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.pause import PauseControl
@@ -79,6 +80,7 @@ class WeightLoader:
         self.servers_touched = False  # set by each load: whether a server was asked to load part of it
         self.timing: dict[str, float] = {}  # seconds in the parts of the last load (disk: read, servers, take)
         self._pinned: dict[int, list[str]] = {}  # per server that failed a load: shared files it may still map
+        self.recipes: dict[str, Recipe] | None = None  # derive_from(): a layout learnt from a server, not the table
         self.set_current(initial)
 
     def attach(self, router: Router, pause: PauseControl) -> None:
@@ -106,8 +108,19 @@ class WeightLoader:
     def expected(self) -> dict[str, str]:
         """Per-tensor checksums of the current weights in SGLang's layout (what /weights_checker reports)."""
         if self._expected is None:
-            self._expected = expected_checksums(self.current, getattr(torch, self.dtype_name))
+            dtype = getattr(torch, self.dtype_name)
+            if self.recipes is None:
+                self._expected = expected_checksums(self.current, dtype)
+            else:
+                self._expected = expected_by_recipes(self.recipes, _in_dtype(self.current, dtype))
         return self._expected
+
+    def derive_from(self, slot: Slot) -> None:
+        """Learn the layout from a server that holds the current (checkpoint) weights: its parameters' checksums
+        against recipes over the HF tensors (derived_layout). For families the table in layout.py does not know."""
+        ranks = self.calls.post(slot.url, "/weights_checker", {"action": "checksum"})["ranks"]
+        self.recipes = derive_layout(_in_dtype(self.current, getattr(torch, self.dtype_name)), ranks[0]["checksums"])
+        self._expected = None
 
     def _accept(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
         """Take `tensors` (all of a version, or a delta push's changed ones) as the current version."""
@@ -387,3 +400,8 @@ class WeightLoader:
         self.servers_touched = True
         received = receive_through_group(self.calls, self.slots, self._parts()[1], handle, receive_as, offsets)
         self._accept(handle, received)
+
+
+def _in_dtype(tensors: list[NamedTensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF tensors as the servers hold them: floating point ones in the engine's dtype."""
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors}
