@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import func, select, text, update
+from sqlalchemy.orm import Session
 
 from miles_control.status import ACTIVE, FINAL, TRANSITIONS, InvalidTransition, JobStatus
 from miles_control.store.base import StoreBase
@@ -105,27 +106,33 @@ class JobTables(StoreBase):
     def start_attempt(self, job_id: int, launcher: str, **fields: Any) -> Attempt:
         """A new attempt of the job (numbered after its last), starting after its last checkpoint. Refused
         (AttemptConflict) while another attempt of the job is live: one job never has two drivers."""
-        last = self.last_checkpoint(job_id)
         with self.session() as s, s.begin():
             s.execute(select(Job.id).where(Job.id == job_id).with_for_update())  # PostgreSQL: one start at a time
-            live = s.scalars(select(Attempt).where(Attempt.job_id == job_id, Attempt.status != "ended")).first()
-            if live is not None:
-                raise AttemptConflict(
-                    f"job {job_id} already has a live attempt ({live.number}, {live.launcher} on "
-                    f"{live.driver_host or 'a Ray cluster'}): end it before starting another"
-                )
-            number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job_id)) or 0) + 1
-            attempt = Attempt(
-                job_id=job_id,
-                number=number,
-                launcher=launcher,
-                resume_step=last.step if last is not None else 0,
-                status="starting",
-                **fields,
+            return self._add_attempt(s, job_id, launcher, **fields)
+
+    @staticmethod
+    def _add_attempt(s: Session, job_id: int, launcher: str, **fields: Any) -> Attempt:
+        """The job's next attempt, starting after its newest checkpoint, in `s`'s transaction; AttemptConflict while
+        another attempt of the job is live."""
+        live = s.scalars(select(Attempt).where(Attempt.job_id == job_id, Attempt.status != "ended")).first()
+        if live is not None:
+            raise AttemptConflict(
+                f"job {job_id} already has a live attempt ({live.number}, {live.launcher} on "
+                f"{live.driver_host or 'a Ray cluster'}): end it before starting another"
             )
-            s.add(attempt)
-            s.flush()
-            return attempt
+        last = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())).first()
+        number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job_id)) or 0) + 1
+        attempt = Attempt(
+            job_id=job_id,
+            number=number,
+            launcher=launcher,
+            resume_step=last.step if last is not None else 0,
+            status="starting",
+            **fields,
+        )
+        s.add(attempt)
+        s.flush()
+        return attempt
 
     def admit(
         self,
@@ -154,23 +161,9 @@ class JobTables(StoreBase):
                 raise InvalidTransition(job_id, job.status if job else "queued", JobStatus.STARTING.value)
             if used + demand_of(job.spec) > budget + 1e-9:
                 return None
-            last = s.scalars(
-                select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
-            ).first()
-            number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job_id)) or 0) + 1
             job.status, job.updated_at = JobStatus.STARTING.value, utcnow()
             s.add(Event(job_id=job_id, kind="status", message="queued → starting", data={"status": "starting"}))
-            attempt = Attempt(
-                job_id=job_id,
-                number=number,
-                launcher=launcher,
-                driver_host=host,
-                resume_step=last.step if last is not None else 0,
-                status="starting",
-            )
-            s.add(attempt)
-            s.flush()
-            return attempt
+            return self._add_attempt(s, job_id, launcher, driver_host=host)
 
     def update_attempt(self, attempt_id: int, **fields: Any) -> None:
         """Set columns of an attempt (a driver's view writes only while its attempt owns the job)."""
