@@ -146,3 +146,8 @@ def _stacked(internal: str, checksum: str, hf: dict[str, torch.Tensor]) -> Recip
 def expected_by_recipes(recipes: dict[str, Recipe], tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """The checksums the server reports once it holds `tensors` (HF names, in the engine's dtype)."""
     return {internal: sglang_checksum(recipe.build(tensors)) for internal, recipe in recipes.items()}
+
+
+def in_dtype(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF tensors as the servers hold them: floating point ones in the engine's dtype."""
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors}

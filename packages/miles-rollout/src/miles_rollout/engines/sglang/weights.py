@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from miles_rollout.engines.checks import check_names, check_push, held_fingerprint
 from miles_rollout.engines.sglang.calls import ServerCalls, on_admitted, tp_size
-from miles_rollout.engines.sglang.derived_layout import Recipe, derive_layout, expected_by_recipes
+from miles_rollout.engines.sglang.derived_layout import Recipe, derive_layout, expected_by_recipes, in_dtype
 from miles_rollout.engines.sglang.group import group_ranks, receive_through_group
 from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.pause import PauseControl
@@ -112,14 +112,14 @@ class WeightLoader:
             if self.recipes is None:
                 self._expected = expected_checksums(self.current, dtype)
             else:
-                self._expected = expected_by_recipes(self.recipes, _in_dtype(self.current, dtype))
+                self._expected = expected_by_recipes(self.recipes, in_dtype(self.current, dtype))
         return self._expected
 
     def derive_from(self, slot: Slot) -> None:
         """Learn the layout from a server that holds the current (checkpoint) weights: its parameters' checksums
         against recipes over the HF tensors (derived_layout). For families the table in layout.py does not know."""
         ranks = self.calls.post(slot.url, "/weights_checker", {"action": "checksum"})["ranks"]
-        self.recipes = derive_layout(_in_dtype(self.current, getattr(torch, self.dtype_name)), ranks[0]["checksums"])
+        self.recipes = derive_layout(in_dtype(self.current, getattr(torch, self.dtype_name)), ranks[0]["checksums"])
         self._expected = None
 
     def _accept(self, handle: WeightHandle, tensors: list[NamedTensor]) -> None:
@@ -400,8 +400,3 @@ class WeightLoader:
         self.servers_touched = True
         received = receive_through_group(self.calls, self.slots, self._parts()[1], handle, receive_as, offsets)
         self._accept(handle, received)
-
-
-def _in_dtype(tensors: list[NamedTensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF tensors as the servers hold them: floating point ones in the engine's dtype."""
-    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors}
