@@ -140,7 +140,8 @@ def main() -> None:
             if name == f"full fine-tuning, {engine} engine"}  # fmt: skip
     rows = []
     for name, per_step in results.items():
-        assert all(s["weights_match"] for s in per_step), f"{name}: a push failed the weight check"
+        # None: unchecked (an adapter SGLang serves by name: its check reaches the folder its servers read)
+        assert all(s["weights_match"] is not False for s in per_step), f"{name}: a push failed the weight check"
         engine_type = configs[name][0]
         sent = per_step[0]["num_bytes"]
         rows.append(

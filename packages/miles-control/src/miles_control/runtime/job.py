@@ -395,7 +395,7 @@ class JobRuntime:
             why = (
                 "sync.check_weights is off"
                 if not self.spec.sync.check_weights
-                else "the engine's servers are not checked (rollout.engine.verify_weights is off, or a packed push)"
+                else "the engine's servers are not checked (rollout.engine.verify_weights is off, a packed push, or an adapter SGLang serves by name: the check reaches the folder its servers read)"
             )
             self.recorder.event(
                 "weights_unchecked",

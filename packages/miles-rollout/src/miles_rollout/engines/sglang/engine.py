@@ -99,7 +99,9 @@ class SGLangEngine:
         # servers: SGLang may re-lay-out fp8 scales after loading for the GPU's kernels, so its checksums of
         # them are not the published tensors' (miles_sync.formats.packed).
         self._server_check = config.verify_weights and packed is None
-        self.verifies_loads = self._server_check  # else the fingerprint is of this process's copy only
+        # else the fingerprint is of this process's copy only; an adapter's check reaches the folder the servers read
+        # (adapters.py), not what they loaded: not a check of the serving weights either
+        self.verifies_loads = self._server_check and self.lora is None
         try:
             if packed is not None:
                 self.model_path = self._packed_checkpoint(packed)
