@@ -144,8 +144,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "num_key_value_heads": 4,
             # YaRN, as DeepSeek-V3 ships it (SGLang's CPU rope path for MLA requires a scaling)
             "rope_parameters": {
-                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
             },  # fmt: skip
         },
     ),

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # reports 0.0) and never scales a gradient.
 UNCLIPPED = 1e30
 
+
 class MegatronBackend(Backend):
     name = "megatron"
 
