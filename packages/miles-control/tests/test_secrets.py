@@ -107,6 +107,7 @@ def test_the_driver_reads_the_store_from_its_environment_and_logs_it_masked():
 
 def test_a_ray_job_driver_has_the_store_url_in_its_environment_not_its_entrypoint(monkeypatch):
     monkeypatch.setenv("MILES_CACHE", "/cache")
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # an earlier test's Ray client may have set it
     settings = ServerSettings(launcher="ray_job", ray_address="http://head:8265", driver_python="/opt/py")
     entrypoint, runtime_env = ray_job_submission(settings, UNREACHABLE, 3, 9)
     assert SECRET not in entrypoint and "--store" not in entrypoint
