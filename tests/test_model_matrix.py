@@ -62,8 +62,8 @@ def matrix(tmp_path_factory, request):
 # as a job (tests/test_routing_replay.py: its stacked experts checked at every push, its routing replayed); the hf
 # engine runs every cell by default, and SGLang's other cells are the extended tier (each SGLang start-up costs
 # ~20-40 s here).
-SGLANG_DEFAULT = {("qwen2.5", "bfloat16"), ("gemma3_text", "bfloat16"), ("olmoe", "float32")}  # the last two: the
-# weight check's layout derived from the servers (no table entry), and the families refused before start
+SGLANG_DEFAULT = {("qwen2.5", "bfloat16"), ("gemma3_text", "bfloat16")}  # Gemma 3: the weight check's layout derived
+# from the servers (no table entry; OLMoE's cells repeat it in the extended tier), and the families refused at start
 SGLANG_DEFAULT |= {(f, d) for f, _ in ENGINE_REFUSED for d in DTYPES}
 
 

@@ -41,7 +41,8 @@ class ExportError(ValueError):
 
 def find_checkpoint(store_url: str, job_id: int, step: int | None = None) -> tuple[Path, Path | None]:
     """(checkpoint folder, the job's model folder) of job `job_id`: its newest checkpoint, or that of `step`."""
-    from miles_control.store import Store, shown_url
+    from miles_control.store import Store
+    from miles_control.store.base import shown_url
 
     store = Store(store_url)
     try:
