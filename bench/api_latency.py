@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import table  # noqa: E402
 
-from miles_control.store import JobStatus, Store  # noqa: E402
-from miles_control.store.tokens import create_token  # noqa: E402
-from miles_control.testing import PG_ENV, ApiServer, fresh_pg_database  # noqa: E402
+from miles_control.service.store import JobStatus, Store  # noqa: E402
+from miles_control.service.store.tokens import create_token  # noqa: E402
+from miles_control.testing.servers import PG_ENV, ApiServer, fresh_pg_database  # noqa: E402
 
 GOAL_P99_MS = 50.0
 

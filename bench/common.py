@@ -10,7 +10,7 @@ from pathlib import Path
 
 def build_model(folder: Path, hidden: int, layers: int, intermediate: int | None = None, seed: int = 0) -> Path:
     """A random Qwen2 with the arithmetic character tokenizer, saved (once) as an HF folder in fp32."""
-    from miles_control.tiny_models import save_tiny_model, tiny_model
+    from miles_control.testing.tiny_models import save_tiny_model, tiny_model
     from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()

@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning on a real model: bytes per push, push time and the trainer–engine mismatch.
 
 SmolLM2-135M-Instruct as it ships (bf16, tied embeddings), real questions rendered with its chat template, GRPO,
-`--steps` steps per configuration, engine and trainer (fsdp2, one rank) in one process (`miles_control.inprocess`):
+`--steps` steps per configuration, engine and trainer (fsdp2, one rank) in one process (`miles_control.bench.inprocess`):
 
 - **full fine-tuning, hf engine**: every weight trains and every push carries the whole model;
 - **LoRA, adapter push, hf engine** (`train.lora`, `sync.lora: adapter`): the adapter trains, a push carries its
@@ -15,7 +15,7 @@ logprob per token per step (step 1 is generated before any push), and the adapte
 parameters projected by its formula (rank × (in + out) per adapted linear) for larger models of the same families.
 
 `--demo-steps N` adds the demo (examples/arithmetic.yaml, the built-in tiny model) trained N steps with full
-fine-tuning and with LoRA, on the hf and the sglang engines (one job each, `miles_control.sweep`): held-out
+fine-tuning and with LoRA, on the hf and the sglang engines (one job each, `miles_control.bench.sweep`): held-out
 accuracy before and after, and wall time.
 
     python bench/lora.py                  # hf and SGLang engines, 3 steps of 8 prompts × 4 samples
@@ -88,9 +88,9 @@ def main() -> None:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from miles_control.assets import build_packaged_model
-    from miles_control.config import PackagedModelConfig
-    from miles_control.inprocess import reset_engine, run_steps
+    from miles_control.bench.inprocess import reset_engine, run_steps
+    from miles_control.job.assets import build_packaged_model
+    from miles_control.spec.config import PackagedModelConfig
     from miles_rollout import HFEngineConfig, build_engine
     from miles_rollout.config import SGLangEngineConfig
     from miles_rollout.data import load_prompts
@@ -210,12 +210,12 @@ def demo_learning(
     full: bool = True,
 ) -> list[str]:
     """The demo trained `steps` steps, full against LoRA, on each engine and under each seed: one job per variant
-    (`miles_control.sweep`, one store). Held-out accuracy every 5 steps; a run's score is its gain over the start,
+    (`miles_control.bench.sweep`, one store). Held-out accuracy every 5 steps; a run's score is its gain over the start,
     read as the mean of its last three evaluations (one evaluation of 500 prompts varies by ~0.02 alone)."""
     import statistics
 
-    from miles_control.spec import load_spec
-    from miles_control.sweep import sweep
+    from miles_control.bench.sweep import sweep
+    from miles_control.spec.load import load_spec
 
     base = load_spec(
         Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml",

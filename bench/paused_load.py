@@ -42,6 +42,7 @@ def post_each(engine, path: str, body: dict | None = None) -> None:
 def push_once(engine, sender, params, version: int, busy: bool | str) -> dict[str, float]:
     """One push; `busy` True: requests decoding while it is paused; "empty": paused by hand with none in flight."""
     from miles_rollout import GenerateRequest, SamplingParams
+    from miles_rollout.push import land
 
     done = threading.Event()
 
@@ -60,15 +61,11 @@ def push_once(engine, sender, params, version: int, busy: bool | str) -> dict[st
     if busy == "empty":
         post_each(engine, "/pause_generation", {"mode": "in_place"})
     handle = sender.publish([(n, p + version * 1e-3) for n, p in params], version)
-    engine.push_phases.clear()
-    asyncio.run(engine.pause("in_place"))
     try:
-        engine.receive(handle)
+        phases = land(engine, handle).phases  # pause (in_place) → load → resume, the engine's phases inside
     finally:
-        asyncio.run(engine.resume())
         if busy == "empty":
             post_each(engine, "/continue_generation")
-    phases = dict(engine.push_phases)
     if busy is True:
         done.wait(120)
     return phases

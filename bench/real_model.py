@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct as it ships (tied embeddings, bf16 weights), real questions rendered with its chat
 template, GRPO with lr 1e-4 (as the first report of the problem used), `--steps` steps per configuration,
-engine and trainer (fsdp2, one rank) in one process (`miles_control.inprocess`):
+engine and trainer (fsdp2, one rank) in one process (`miles_control.bench.inprocess`):
 
 - **bf16 engines, trainer on its fp32 master weights**: how Miles ran before (`policy_weights: master`,
   `old_logprobs: rollout`): the engines hold the weights rounded to bf16, the trainer computes with weights
@@ -53,9 +53,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from miles_control.assets import build_packaged_model
-    from miles_control.config import PackagedModelConfig
-    from miles_control.inprocess import reset_engine, run_steps
+    from miles_control.bench.inprocess import reset_engine, run_steps
+    from miles_control.job.assets import build_packaged_model
+    from miles_control.spec.config import PackagedModelConfig
     from miles_rollout import HFEngineConfig, build_engine
     from miles_rollout.config import SGLangEngineConfig
     from miles_rollout.data import load_prompts

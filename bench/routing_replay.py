@@ -5,7 +5,7 @@ A tiny random Qwen3-MoE or Mixtral (tests/model_matrix.py's: 4 experts, top 2, 2
 vocabulary) in each dtype, served by one SGLang server that returns its routing (`rollout.engine.routed_experts`), trained by
 each of `--backends` (fsdp2: transformers' MoE modules; megatron: megatron-core's MoE layer; torchtitan: its MoE)
 on one rank in this
-process (`miles_control.inprocess.run_steps`): `--steps` GRPO steps with replay off, the engine reset to the
+process (`miles_control.bench.inprocess.run_steps`): `--steps` GRPO steps with replay off, the engine reset to the
 checkpoint, then the same with replay on. Reported per step: `train/routing_agreement` (the
 share of position × layer pairs whose top-k the trainer and the engine agree on), and the mean and p99 of
 |trainer − engine| logprob per token.
@@ -55,7 +55,7 @@ def main() -> None:
 
     from model_matrix import TOY_PROMPTS
 
-    from miles_control.inprocess import reset_engine, run_steps
+    from miles_control.bench.inprocess import reset_engine, run_steps
     from miles_rollout import build_engine
     from miles_rollout.config import SGLangEngineConfig
 

@@ -52,23 +52,17 @@ def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
 
 def push(engine, sender, weights, version: int) -> tuple[float, float, CopyCount]:
     """(seconds in publish, seconds from publish start to resumed engine, the copies counted meanwhile)."""
+    from miles_rollout.push import land
     from miles_sync.copies import CopyCount
 
-    async def run() -> tuple[float, float, CopyCount]:
-        with CopyCount() as copies:
-            start = time.perf_counter()
-            handle = sender.publish(weights, weight_version=version)
-            published = time.perf_counter() - start
-            await engine.pause("in_place")
-            try:
-                engine.receive(handle)
-            finally:
-                await engine.resume()
-            sender.wait()
-            end = time.perf_counter()
-        return published, end - start, copies
-
-    return asyncio.run(run())
+    with CopyCount() as copies:
+        start = time.perf_counter()
+        handle = sender.publish(weights, weight_version=version)
+        published = time.perf_counter() - start
+        land(engine, handle)  # pause (in_place) → load → resume, as the loop does
+        sender.wait()
+        end = time.perf_counter()
+    return published, end - start, copies
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-# The families users bring, as miles_control.tiny_models shapes them (vocabulary: the arithmetic character
+# The families users bring, as miles_control.testing.tiny_models shapes them (vocabulary: the arithmetic character
 # tokenizer's, since SGLang needs a tokenizer in the folder); megatron and torchtitan refuse llama3.2's RoPE scaling
 # and the layers that differ from Llama's (Phi-3's fused checkpoint projections, OLMo-2's norms). The mixtures of
 # experts run on every backend (the matrix on one rank; tests/test_routing_replay.py runs megatron with its experts
@@ -100,7 +100,7 @@ def table() -> str:
 def build_model(family: str, dtype: str, folder: Path, **overrides: Any) -> Path:
     """A tiny random-weight model of `family` with the arithmetic character tokenizer, saved in `dtype`; `overrides`
     are config fields (e.g. `num_local_experts`)."""
-    from miles_control.tiny_models import save_tiny_model, tiny_model
+    from miles_control.testing.tiny_models import save_tiny_model, tiny_model
     from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
@@ -117,7 +117,7 @@ def run_combination(
     """Refused by the check a job runs first, or two steps from the checkpoint's weights."""
     from transformers import AutoConfig
 
-    from miles_control.inprocess import reset_engine, run_steps
+    from miles_control.bench.inprocess import reset_engine, run_steps
     from miles_train import TrainConfig
     from miles_train.backends import check_model
 
@@ -229,8 +229,8 @@ def main() -> None:
     torch.set_num_threads(2)
     results: dict[str, dict] = {}
     if sys.argv[3:] == ["--smollm2"]:
-        from miles_control.assets import build_packaged_model
-        from miles_control.config import PackagedModelConfig
+        from miles_control.job.assets import build_packaged_model
+        from miles_control.spec.config import PackagedModelConfig
 
         model_dir = build_packaged_model(PackagedModelConfig(source="package"))
         # Real questions, rendered with the model's chat template; a learning rate for a pretrained model.

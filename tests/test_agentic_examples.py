@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.store import Store
+from miles_control.service.store import Store
 from miles_rollout.env import parse_tool_call
 from miles_rollout.tasks.calculator import calculate
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def run_example(tmp_path: Path, name: str, *overrides: str) -> Store:
     url = f"sqlite:///{tmp_path}/miles.db"
-    args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "episodes" / f"{name}.yaml"),
+    args = [sys.executable, "-m", "miles_control.cli.main", "run", str(ROOT / "examples" / "episodes" / f"{name}.yaml"),
             "--quiet", "--set", f"store.url={url}", "--set", f"output_dir={tmp_path}/runs"]  # fmt: skip
     for override in overrides:
         args += ["--set", override]

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.bench_algorithms import AlgorithmResult, algorithm_result
-from miles_control.store import Store
-from miles_control.summary import summarize
-from miles_control.sweep import recorded_variants
+from miles_control.bench.algorithms import AlgorithmResult, algorithm_result
+from miles_control.bench.sweep import recorded_variants
+from miles_control.service.store import Store
+from miles_control.service.summary import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def bench(tmp_path: Path, steps: int, algorithms: str, *overrides: str) -> Path:
     args = [
         sys.executable,
         "-m",
-        "miles_control.cli",
+        "miles_control.cli.main",
         "bench",
         "algorithms",
         str(ROOT / "examples" / "arithmetic.yaml"),
@@ -124,7 +124,14 @@ def test_dynamic_sampling_keeps_uniform_groups_from_the_trainer(tmp_path):
     """The demo with rollout.dynamic_sampling on the hf engine: every step trains 16 groups of 8, none whose rewards
     all agree; what was dropped and drawn is counted; the checkpoint records where the prompt stream stands."""
     url = f"sqlite:///{tmp_path}/miles.db"
-    args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "arithmetic.yaml"), "--quiet"]
+    args = [
+        sys.executable,
+        "-m",
+        "miles_control.cli.main",
+        "run",
+        str(ROOT / "examples" / "arithmetic.yaml"),
+        "--quiet",
+    ]
     for o in (
         *SMALL,
         f"store.url={url}",
@@ -161,7 +168,13 @@ def test_sft_job_learns_from_prompt_response_pairs(tmp_path):
     """`kind: sft` on the example's JSONL (examples/sft): the trainer is given the pairs' responses, and held-out
     accuracy of the model's own answers rises (measured 0.47 → 0.60 → 0.71 at steps 0, 10, 20)."""
     url = f"sqlite:///{tmp_path}/miles.db"
-    args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "sft" / "arithmetic-sft.yaml")]
+    args = [
+        sys.executable,
+        "-m",
+        "miles_control.cli.main",
+        "run",
+        str(ROOT / "examples" / "sft" / "arithmetic-sft.yaml"),
+    ]
     args += ["--log-every", "5"]
     for o in (
         f"store.url={url}",
@@ -195,7 +208,7 @@ def test_distillation_moves_the_student_towards_its_teacher(tmp_path):
     args = [
         sys.executable,
         "-m",
-        "miles_control.cli",
+        "miles_control.cli.main",
         "run",
         str(ROOT / "examples" / "distill" / "arithmetic-distill.yaml"),
     ]

@@ -1,4 +1,4 @@
-"""Architecture rules of DESIGN.md, checked by reading the sources' imports."""
+"""The architecture of docs/architecture.md as executable rules, checked by reading the sources' imports."""
 
 import ast
 import re
@@ -86,9 +86,12 @@ def test_every_third_party_import_is_declared(module):
     assert not missing, f"{PACKAGES[module]} imports {missing} without declaring them in pyproject.toml"
 
 
+CONFIG_MODULE = {"miles_control": "spec/config.py"}  # where each package's spec sections live (default config.py)
+
+
 def test_config_modules_import_only_pydantic():
     for module, dist in PACKAGES.items():
-        config = ROOT / "packages" / dist / "src" / module / "config.py"
+        config = ROOT / "packages" / dist / "src" / module / CONFIG_MODULE.get(module, "config.py")
         used = imports_of(config.parent)[str(config.relative_to(ROOT))]
         # importlib: miles_rollout.config looks sglang up (find_spec, which does not import it) to pick the
         # default engine; the subprocess test below checks that validating a spec imports no torch.
@@ -119,10 +122,10 @@ def test_each_package_builds_a_wheel_alone(dist, tmp_path):
 
     names = zipfile.ZipFile(wheel).namelist()
     module = dist.replace("-", "_")
-    assert f"{module}/__init__.py" in names and f"{module}/config.py" in names
+    assert f"{module}/__init__.py" in names and f"{module}/{CONFIG_MODULE.get(module, 'config.py')}" in names
     # what installed code finds beside itself (package data), not in the repository
     data = {
-        "miles_control": ["miles_control/store/migrations/env.py"],
+        "miles_control": ["miles_control/service/store/migrations/env.py"],
         "miles_rollout": ["miles_rollout/engines/sglang/cpu_shim/sgl_kernel/__init__.py"],
     }
     missing = [name for name in data.get(module, []) if name not in names]
@@ -138,7 +141,11 @@ def test_the_dashboard_talks_to_the_api_only():
     REST. No Miles package imports the dashboard (`miles dashboard` runs it as a program)."""
     app = DASHBOARD / "src" / "miles_dashboard"
     allowed = {"streamlit", "altair", "pandas", "httpx", "yaml", "pydantic", "miles_dashboard"}
-    allowed_miles = {"miles_control.client", "miles_control.api.schemas", "miles_control.yaml_safe"}  # torch-free
+    allowed_miles = {
+        "miles_control.client",
+        "miles_control.service.api.schemas",
+        "miles_control.spec.yaml_safe",
+    }  # torch-free
     used = full_imports_of(app)
     offenders = {
         f: sorted(
@@ -204,7 +211,7 @@ TRANSPORT_FREE = [
     ROOT / "packages/miles-rollout/src/miles_rollout/engines",
     ROOT / "packages/miles-rollout/src/miles_rollout/manager.py",
     ROOT / "packages/miles-rollout/src/miles_rollout/protocol.py",
-    ROOT / "packages/miles-control/src/miles_control/runtime",
+    ROOT / "packages/miles-control/src/miles_control/job/runtime",
 ]
 
 
@@ -264,68 +271,225 @@ def test_the_transport_check_finds_a_conditional(tmp_path):
     ]
 
 
-# ---- miles-control's folders: the loop never imports the service; each pair of folders in one direction --------
+# ---- miles-control's rooms: a folder per concern, imports between them in one direction -------------------------
 CONTROL = ROOT / "packages" / "miles-control" / "src" / "miles_control"
-LOOP = {"runtime", "schedules", "run", "recorder", "placement", "preflight", "convert"}
-SERVICE = {"store", "api", "launch", "client"}
-SHARED = {"journal", "status"}  # what the loop needs from a job's record, and the job lifecycle: both sides import
-ONE_WAY = {  # part → the parts it must not import (the other way round is allowed)
-    **dict.fromkeys(LOOP, SERVICE),
-    **dict.fromkeys(SHARED, LOOP | SERVICE),
-    "runtime": SERVICE | {"schedules"},  # schedules drive the runtime
-    "launch": {"api"},  # the API starts launches
-    "store": LOOP | {"api", "launch", "client"},  # the bottom of the service
+ROOMS = {"spec", "job", "service", "cli", "bench", "testing", "client"}  # client.py: the extras-free API client
+JOB_PARTS = {"run", "preflight", "placement", "data", "assets", "hub", "recorder", "tracking", "convert", "redact",
+             "runtime", "schedules", "journal", "status"}  # fmt: skip
+SERVICE_PARTS = {"api", "store", "launch", "driver", "settings", "summary", "export", "reports", "schedule_changes"}
+ONE_WAY = {  # a room, or room/part → the rooms (or room/parts) it must not import; the other way round is allowed
+    "spec": ROOMS - {"spec"},  # the bottom: a spec validates without torch, Ray or a store
+    "job": {"service", "cli", "bench", "testing", "client"},  # the loop never imports the service
+    "service": {"cli", "bench", "testing", "client"},
+    "bench": {"cli"},
+    "testing": {"cli", "bench"},
+    "client": ROOMS - {"client", "service"} | {f"service/{p}" for p in SERVICE_PARTS - {"api"}},  # schemas only
+    # inside the job: the schedules drive the runtime; a job's record (journal) and lifecycle (status) are what
+    # the service shares with the loop, so they import no other part of it
+    "job/runtime": {"job/schedules", "job/run"},
+    "job/journal": {f"job/{p}" for p in JOB_PARTS - {"status", "journal"}},
+    "job/status": {f"job/{p}" for p in JOB_PARTS - {"status"}},
+    # inside the service: the API starts launches; the store is its bottom
+    "service/launch": {"service/api"},
+    "service/store": {f"service/{p}" for p in SERVICE_PARTS - {"store"}}
+    | {f"job/{p}" for p in JOB_PARTS - {"status", "journal", "redact"}},
 }
 
 
 def control_part(module: str) -> str | None:
-    """`miles_control.runtime.job` → `runtime`, `miles_control.run` → `run`; None outside miles_control."""
+    """`miles_control.job.runtime.workers` → `job/runtime`, `miles_control.spec` → `spec`; None outside."""
     parts = module.split(".")
-    return parts[1] if parts[0] == "miles_control" and len(parts) > 1 else None
+    return "/".join(parts[1:3]) if parts[0] == "miles_control" and len(parts) > 1 else None
+
+
+def _within(part: str, rule: str) -> bool:
+    return part == rule or part.startswith(rule + "/")
 
 
 def back_arrows(root: Path) -> list[str]:
-    """Every import under `root` (a miles_control folder) that goes against ONE_WAY, as `file: part → part`."""
+    """Every import under `root` (a miles_control tree) that goes against ONE_WAY, as `file: part → part`."""
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        part = rel.parts[0].removesuffix(".py")
-        forbidden = ONE_WAY.get(part, set())
+        names = [*rel.parts[:-1], rel.parts[-1].removesuffix(".py")]
+        part = "/".join(names[:2])
+        forbidden = ONE_WAY.get(names[0], set()) | ONE_WAY.get(part, set())
         for node in ast.walk(ast.parse(path.read_text(), str(path))):  # function-level imports count too
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
+                imported = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
+                imported = [node.module]
             else:
                 continue
-            for name in names:
-                if control_part(name) in forbidden:
-                    found.append(f"{rel}:{node.lineno}: {part} → {control_part(name)}")
+            for name in imported:
+                target = control_part(name)
+                if target and not _within(target, part) and any(_within(target, rule) for rule in forbidden):
+                    found.append(f"{rel}:{node.lineno}: {part} → {target}")
     return found
 
 
+def test_every_module_of_miles_control_lives_in_a_room():
+    """A newcomer finds a file from the folder names: the top level holds the rooms and the API client only, and
+    the parts the rules name exist."""
+    top = {p.name.removesuffix(".py") for p in CONTROL.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert top == ROOMS | {"__init__"}, f"outside a room: {sorted(top - ROOMS - {'__init__'})}"
+    for room, parts in (("job", JOB_PARTS), ("service", SERVICE_PARTS)):
+        here = {p.name.removesuffix(".py") for p in (CONTROL / room).iterdir() if p.suffix == ".py" or p.is_dir()}
+        assert parts <= here, f"{room}/ lost {sorted(parts - here)}: update the rules"
+    for room in ROOMS - {"client"}:
+        doc = ast.get_docstring(ast.parse((CONTROL / room / "__init__.py").read_text()))
+        assert doc, f"{room}/__init__.py says what the room holds"
+
+
 def test_the_loop_never_imports_the_service():
-    """The loop (runtime, schedules, run, recorder, …) writes through miles_control.journal's protocols, which the
-    store implements; the service side (store, api, launch, client) may import the loop, not the reverse."""
-    parts = {p.name.removesuffix(".py") for p in CONTROL.iterdir() if p.suffix == ".py" or p.is_dir()}
-    named = LOOP | SERVICE | SHARED
-    assert named <= parts, f"a folder named here moved: {sorted(named - parts)}"
+    """The loop (job/) writes through job/journal.py's protocols, which the store implements; the service may import
+    the loop, not the reverse; the spec imports no other room; the rules inside job/ and service/ hold."""
     found = back_arrows(CONTROL)
     assert not found, "imports against the folder rules:\n" + "\n".join(found)
 
 
 def test_the_folder_check_finds_a_back_arrow(tmp_path):
-    """The check above is not vacuous: a runtime module importing a schedule, a recorder importing the store (inside
-    a function) and a launcher importing the API are all flagged; the allowed direction is not."""
-    (tmp_path / "runtime").mkdir()
-    (tmp_path / "runtime" / "job.py").write_text("from miles_control.schedules.buffer import Buffer\n")
-    (tmp_path / "recorder.py").write_text("def f():\n    import miles_control.store.models\n")
-    (tmp_path / "launch").mkdir()
-    (tmp_path / "launch" / "l.py").write_text("from miles_control.api.policy import check\n")
-    (tmp_path / "schedules").mkdir()
-    (tmp_path / "schedules" / "sync.py").write_text("from miles_control.runtime.job import JobRuntime\n")
+    """The check above is not vacuous: the runtime importing a schedule, the recorder importing the store (inside a
+    function), the launcher importing the API, the spec importing the job and the client importing the store are all
+    flagged; the allowed directions are not."""
+    files = {
+        "job/runtime/job.py": "from miles_control.job.schedules.buffer import Buffer\n",
+        "job/recorder.py": "def f():\n    import miles_control.service.store.models\n",
+        "service/launch/l.py": "from miles_control.service.api.policy import check\n",
+        "spec/config.py": "from miles_control.job.placement import plan\n",
+        "client.py": "from miles_control.service.store import Store\nfrom miles_control.service.api.schemas import J\n",
+        "job/schedules/sync.py": "from miles_control.job.runtime.job import JobRuntime\n",  # allowed
+        "service/store/base.py": "from miles_control.job.status import JobStatus\n",  # allowed
+        "cli/main.py": "from miles_control.bench.sweep import run\n",  # allowed
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
     assert back_arrows(tmp_path) == [
-        "launch/l.py:1: launch → api",
-        "recorder.py:2: recorder → store",
-        "runtime/job.py:1: runtime → schedules",
+        "client.py:1: client → service/store",
+        "job/recorder.py:2: job/recorder → service/store",
+        "job/runtime/job.py:1: job/runtime → job/schedules",
+        "service/launch/l.py:1: service/launch → service/api",
+        "spec/config.py:1: spec/config → job/placement",
     ]
+
+
+# ---- the trainer: one Trainer, built by composition over a small Backend protocol ------------------------------
+TRAIN = ROOT / "packages" / "miles-train" / "src" / "miles_train"
+BACKEND_CLASSES = {"fsdp2": "FSDP2Backend", "megatron": "MegatronBackend", "torchtitan": "TorchtitanBackend"}
+
+
+def protocol_members(source: str, protocol: str) -> set[str]:
+    """The methods and annotated attributes a Protocol class of `source` declares."""
+    [cls] = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == protocol]
+    members = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef):
+            members.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            members.add(node.target.id)
+    return members
+
+
+def class_problems(source: str, name: str, required: set[str]) -> list[str]:
+    """Why class `name` of `source` is not a composed implementation of `required`: a base class (the trainer is
+    built by composition, not inheritance), or members it lacks (methods, class attributes, `self.x` it sets)."""
+    found = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == name]
+    if not found:
+        return [f"{name}: not defined"]
+    cls, problems = found[0], []
+    if cls.bases:
+        problems.append(f"{name}: inherits from {[ast.unparse(b) for b in cls.bases]}")
+    has = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef):
+            has.add(node.name)
+        elif isinstance(node, ast.Assign):
+            has |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            has.add(node.target.id)
+    for node in ast.walk(cls):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        for t in [*targets, *(e for tup in targets if isinstance(tup, ast.Tuple) for e in tup.elts)]:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                has.add(t.attr)
+    missing = sorted(required - has)
+    if missing:
+        problems.append(f"{name}: lacks {missing}")
+    return problems
+
+
+def test_each_backend_is_one_class_implementing_the_backend_protocol():
+    """The framework part of a trainer is one class per backend, with no base class, that provides everything
+    `miles_train.protocol.Backend` lists; `Trainer` implements `TrainerBackend` (what the schedules call) the same way,
+    holding its backend."""
+    protocol = (TRAIN / "protocol.py").read_text()
+    required = protocol_members(protocol, "Backend")
+    assert {"logits", "backward", "step_optimizer", "export_weights", "save", "load", "loss_scale"} <= required
+    problems = []
+    for folder, name in BACKEND_CLASSES.items():
+        problems += class_problems((TRAIN / "backends" / folder / "backend.py").read_text(), name, required)
+    trainer = (TRAIN / "backends" / "trainer.py").read_text()
+    problems += class_problems(trainer, "Trainer", protocol_members(protocol, "TrainerBackend") | {"backend"})
+    assert not problems, "\n".join(problems)
+
+
+def test_the_backend_check_finds_a_subclass_and_a_missing_method():
+    required = {"logits", "save", "loss_scale"}
+    ok = "class A:\n    loss_scale = 1.0\n    def logits(self): ...\n    def save(self): ...\n"
+    assert class_problems(ok, "A", required) == []
+    set_in_init = "class A:\n    def __init__(self):\n        self.loss_scale, x = 2.0, 1\n    def logits(self): ...\n    def save(self): ...\n"
+    assert class_problems(set_in_init, "A", required) == []
+    assert class_problems(
+        "class A(Base):\n    loss_scale = 1\n    def logits(self): ...\n    def save(self): ...\n", "A", required
+    ) == ["A: inherits from ['Base']"]
+    assert class_problems("class A:\n    def logits(self): ...\n", "A", required) == ["A: lacks ['loss_scale', 'save']"]
+
+
+def engine_type_branches(path: Path) -> list[str]:
+    """Lines of `path` that compare something's `.type` with an engine type's name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(s, ast.Constant) and s.value in ("hf", "sglang") for s in sides)
+            typed = any(isinstance(s, ast.Attribute) and s.attr == "type" for s in sides)
+            if named and typed:
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_miles_control_has_no_engine_type_branch(tmp_path):
+    """The engine config answers what differs by engine (`miles_rollout/engine_config.py`); miles-control asks it."""
+    found = [line for path in sorted(CONTROL.rglob("*.py")) for line in engine_type_branches(path)]
+    assert not found, f"engine-type branches in miles-control: {found}"
+    planted = tmp_path / "spec.py"
+    planted.write_text(
+        "def f(spec):\n    if spec.rollout.engine.type == 'sglang':\n        pass\n    return spec.type\n"
+    )
+    assert engine_type_branches(planted) == ["spec.py:2"]
+
+
+MAX_MODULE_LINES = 400
+
+
+def long_modules(root: Path, limit: int = MAX_MODULE_LINES) -> list[str]:
+    """Modules under `root` longer than `limit` lines, as `path: lines`."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            found.append(f"{path.relative_to(root)}: {lines}")
+    return found
+
+
+def test_no_module_is_over_400_lines(tmp_path):
+    """A module a reader can hold in mind: none of the packages' sources passes 400 lines (split by concern, as
+    `engine_config.py` and `algorithm_config.py` were). The check finds a long one."""
+    found = [m for dist in PACKAGES.values() for m in long_modules(ROOT / "packages" / dist / "src")]
+    assert not found, f"modules over {MAX_MODULE_LINES} lines: {found}"
+    (tmp_path / "long.py").write_text("x = 1\n" * 401)
+    (tmp_path / "short.py").write_text("x = 1\n" * 400)
+    assert long_modules(tmp_path) == ["long.py: 401"]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.store import Store
-from miles_control.summary import summarize
-from miles_control.sweep import recorded_variants
+from miles_control.bench.sweep import recorded_variants
+from miles_control.service.store import Store
+from miles_control.service.summary import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -63,7 +63,7 @@ def test_weights_bench_fits_every_transport_and_projects_by_its_formula(tmp_path
     """`miles bench weights --quick`: measured points, a cost fit per transport, a projection that is the fit put
     through the report's formula, and the published figure beside it as a claim."""
     out = tmp_path / "bench"
-    args = [sys.executable, "-m", "miles_control.cli", "bench", "weights", "--quick", "--out", str(out)]
+    args = [sys.executable, "-m", "miles_control.cli.main", "bench", "weights", "--quick", "--out", str(out)]
     args += ["--params", "1e10", "--senders", "4", "--engines", "2", "--link-gb-s", "10", "--bucket-mb", "256"]
     args += ["--store", f"sqlite:///{tmp_path}/server.db"]  # the store an API serves: the report is found there
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -117,10 +117,17 @@ def test_trainer_bench_reports_every_backend_against_the_plain_loop(tmp_path):
 def test_schedule_bench_report_is_complete(tmp_path):
     """`miles bench schedules`, shortened: a job per schedule, read back from the bench's store; every section,
     every schedule and every plot of the report (not speed)."""
-    from miles_control.bench import SCHEDULE_TYPES
+    from miles_control.bench.schedules import SCHEDULE_TYPES
 
     out = tmp_path / "bench"
-    args = [sys.executable, "-m", "miles_control.cli", "bench", "schedules", str(ROOT / "examples" / "arithmetic.yaml")]
+    args = [
+        sys.executable,
+        "-m",
+        "miles_control.cli.main",
+        "bench",
+        "schedules",
+        str(ROOT / "examples" / "arithmetic.yaml"),
+    ]
     args += ["--out", str(out), "--steps", "3"]
     for o in ("rollout.engine.type=hf", "rollout.num_prompts_per_step=16", "rollout.eval.num_prompts=50"):
         args += ["--set", o]
@@ -160,13 +167,13 @@ def test_precision_bench_quick(tmp_path):
     """`miles bench precision`, shortened: a job per recipe with every measure, read back from the bench's store; a
     recipe the job checks refuse is reported, not fatal; training quantized as the rollout is removes the mismatch
     the quantized rollout causes."""
-    from miles_control.assets import resolve_model_path
-    from miles_control.bench_precision import recipe_result
-    from miles_control.config import JobSpec
+    from miles_control.bench.precision import recipe_result
+    from miles_control.job.assets import resolve_model_path
+    from miles_control.spec.config import JobSpec
 
     out = tmp_path / "bench"
     names = ["fp32", "bf16", "fp8_block rollout", "int4 rollout", "int4 rollout + int4 training"]
-    args = [sys.executable, "-m", "miles_control.cli", "bench", "precision", str(ROOT / "examples" / "quick.yaml")]
+    args = [sys.executable, "-m", "miles_control.cli.main", "bench", "precision", str(ROOT / "examples" / "quick.yaml")]
     args += ["--out", str(out), "--steps", "2", "--recipes", ",".join(names), "--set", "rollout.eval.every_steps=2"]
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -13,12 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from miles_control.assets import resolve_model_path
-from miles_control.data import load_job_prompts
-from miles_control.run import run_job
-from miles_control.spec import parse_spec
-from miles_control.store import JobStatus, Store
-from miles_control.testing import put_in_hub_cache
+from miles_control.job.assets import resolve_model_path
+from miles_control.job.data import load_job_prompts
+from miles_control.job.run import run_job
+from miles_control.service.store import JobStatus, Store
+from miles_control.spec.load import parse_spec
+from miles_control.testing.servers import put_in_hub_cache
 from miles_rollout.data import PromptStream
 from miles_rollout.tasks.arithmetic import arithmetic_prompts
 

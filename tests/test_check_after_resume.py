@@ -10,7 +10,7 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from miles_control.runtime.workers import RolloutWorker
+from miles_control.job.runtime.workers import RolloutWorker
 from miles_rollout.tasks.arithmetic import arithmetic_prompts
 from miles_sync import build_sender, sync_config
 

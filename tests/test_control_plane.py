@@ -13,9 +13,15 @@ import httpx
 import pytest
 import yaml
 
-from miles_control.store import Store
-from miles_control.store.tokens import create_token
-from miles_control.testing import PG_ENV, ApiServer, fresh_pg_database, ray_cluster_with_dashboard, stop_local_ray
+from miles_control.service.store import Store
+from miles_control.service.store.tokens import create_token
+from miles_control.testing.servers import (
+    PG_ENV,
+    ApiServer,
+    fresh_pg_database,
+    ray_cluster_with_dashboard,
+    stop_local_ray,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -171,8 +177,8 @@ def test_a_second_server_and_a_second_driver_leave_a_live_job_intact(plane):
     one job. Now the second server leaves the job alone, the store refuses a second attempt while one is live, and a
     driver whose attempt was ended behind its back (the old fault's path, forced here) writes nothing more: the job
     ends with one run's rows."""
-    from miles_control.status import JobStatus
-    from miles_control.store import AttemptConflict
+    from miles_control.job.status import JobStatus
+    from miles_control.service.store import AttemptConflict
 
     store, start = plane
     api = start()

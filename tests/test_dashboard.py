@@ -8,10 +8,10 @@ import pytest
 import yaml
 from streamlit.testing.v1 import AppTest
 
-from miles_control.config import JobSpec
-from miles_control.store import JobStatus, Store
-from miles_control.store.tokens import create_token
-from miles_control.testing import ApiServer
+from miles_control.service.store import JobStatus, Store
+from miles_control.service.store.tokens import create_token
+from miles_control.spec.config import JobSpec
+from miles_control.testing.servers import ApiServer
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "apps" / "dashboard" / "src" / "miles_dashboard" / "app.py"
@@ -52,7 +52,7 @@ def dashboard_api(tmp_path_factory):
     store = Store(url)
     _, token = create_token(store, "dash", "admin")
     done = seed_run(store, "sync-run", "sync", 5, JobStatus.SUCCEEDED)
-    # what a job with trackers records (miles_control.run): a link per tracker that started, a warning per one that not
+    # what a job with trackers records (miles_control.job.run): a link per tracker that started, a warning per one that not
     store.add_event(done, "tracking", "wandb: https://wandb.ai/team/miles/runs/abc", None,
                     {"type": "wandb", "link": "https://wandb.ai/team/miles/runs/abc"})  # fmt: skip
     store.add_event(done, "tracking", "tensorboard: /runs/tracking/tensorboard/miles/sync-run-job1", None,
@@ -159,7 +159,7 @@ def test_job_page_shows_timeline_breakdown_sync_samples(app, dashboard_api):
             "`/runs/tracking/tensorboard/miles/sync-run-job1`") in body  # fmt: skip
     assert "Spans shown: **reward** 5, **rollout** 5, **train** 5, **weight_sync** 5" in body
     # the numbers of the one summary (what `miles run` prints), served by the API: 5 steps of 3.05 s, 4 s apart
-    from miles_control.summary import summarize
+    from miles_control.service.summary import summarize
 
     s = summarize(dashboard_api["store"], dashboard_api["done"])
     assert s.wall_s == pytest.approx(4 * 4 + 3.05) and s.trainer_busy_s == pytest.approx(5 * 1.45)
@@ -266,7 +266,7 @@ def test_resources_tab_plots_each_workers_cpu_and_memory(app, dashboard_api):
 def test_logs_tab_shows_the_driver_and_each_engine_log(app, dashboard_api, tmp_path):
     """An attempt launched locally logs beside the driver's log (`attempt-1-engines/sglang-<i>.log`): the Logs tab
     lists the driver and both SGLang servers, and shows the one chosen."""
-    from miles_control.launch.drivers import engine_log_dir
+    from miles_control.service.launch.drivers import engine_log_dir
 
     store = dashboard_api["store"]
     job = seed_run(store, "logged-run", "sync", 5, JobStatus.SUCCEEDED, rollout={"engine": {"type": "sglang"}})
@@ -385,7 +385,7 @@ def test_reports_page_shows_a_bench_report_from_the_store(app, dashboard_api, tm
     plt.plot([1, 2, 3], [0.2, 0.3, 0.5])
     plt.savefig(tmp_path / "reward_vs_step.png")
     plt.close()
-    from miles_control.reports import save_report
+    from miles_control.service.reports import save_report
 
     markdown = "# Schedule bench: quick\n\n## Throughput\n\n| schedule | steps |\n|---|---|\n| sync | 5 |\n\n"
     markdown += "![reward against step](reward_vs_step.png)\n\nGenerated now.\n"
@@ -427,11 +427,11 @@ def test_miles_dashboard_passes_no_token_and_stops_on_sigterm(tmp_path):
 
     import httpx
 
-    from miles_control.testing import free_port, wait_until_serving
+    from miles_control.testing.servers import free_port, wait_until_serving
 
     port = free_port()
     env = {**os.environ, "MILES_TOKEN": "miles_secret_of_the_process"}
-    cmd = [sys.executable, "-m", "miles_control.cli", "dashboard", "--port", str(port)]
+    cmd = [sys.executable, "-m", "miles_control.cli.main", "dashboard", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         wait_until_serving(f"http://127.0.0.1:{port}/_stcore/health", proc)

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import yaml
 
-from miles_control.store import Store
-from miles_control.store.tokens import create_token
-from miles_control.testing import ApiServer, free_port, stop_local_ray, wait_until_serving
+from miles_control.service.store import Store
+from miles_control.service.store.tokens import create_token
+from miles_control.testing.servers import ApiServer, free_port, stop_local_ray, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts" / "screenshots"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.store import Store
+from miles_control.service.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ def miles_run(tmp_path: Path, *overrides: str, progress: str = "--quiet") -> tup
     args = [
         sys.executable,
         "-m",
-        "miles_control.cli",
+        "miles_control.cli.main",
         "run",
         str(ROOT / "examples" / "arithmetic.yaml"),
         *progress.split(),

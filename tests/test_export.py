@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles_control.export import ExportError, export_checkpoint
+from miles_control.service.export import ExportError, export_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "miles-train" / "tests"))
@@ -72,7 +72,7 @@ def test_transformers_loads_an_export_with_the_trainers_logprobs(exported, varia
 def test_miles_export_chooses_a_dtype_and_never_overwrites(exported, tmp_path):
     model_folder, runs = exported
     checkpoint = runs["fsdp2"][0]
-    cmd = [sys.executable, "-m", "miles_control.cli", "export", str(checkpoint), str(tmp_path / "bf16"), "--dtype",
+    cmd = [sys.executable, "-m", "miles_control.cli.main", "export", str(checkpoint), str(tmp_path / "bf16"), "--dtype",
            "bfloat16", "--model", str(model_folder)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -11,8 +11,8 @@ import pytest
 import typer
 import yaml
 
-from miles_control.cli import app
-from miles_control.spec import load_spec
+from miles_control.cli.main import app
+from miles_control.spec.load import load_spec
 from miles_dashboard.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]

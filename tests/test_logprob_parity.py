@@ -19,8 +19,8 @@ BOUNDS = {"float32": (1e-4, 1e-5), "bfloat16": (0.25, 0.02)}
 def test_sglang_logprobs_match_trainer(dtype, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from miles_control.assets import build_builtin_model
-    from miles_control.config import BuiltinModelConfig
+    from miles_control.job.assets import build_builtin_model
+    from miles_control.spec.config import BuiltinModelConfig
     from miles_rollout import GenerateRequest, SamplingParams, build_engine
     from miles_rollout.config import SGLangEngineConfig
     from miles_rollout.tasks.arithmetic import arithmetic_prompts

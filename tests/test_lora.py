@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_control.config import JobSpec
-from miles_control.testing import free_port
+from miles_control.spec.config import JobSpec
+from miles_control.testing.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "miles-train" / "tests"))
@@ -47,7 +47,7 @@ def test_a_lora_job_an_engine_or_transport_cannot_serve_is_refused_before_it_sta
 def test_the_hf_engine_applies_a_pushed_adapter_as_the_merged_model_computes(tmp_path):
     """The trainer's adapter push (a fraction of the bytes) gives the engine the policy that the merged push gives
     an engine without one; the weight check compares the adapter; the base alone computes something else."""
-    from miles_control.tiny_models import save_tiny_model, tiny_model
+    from miles_control.testing.tiny_models import save_tiny_model, tiny_model
     from miles_rollout import GenerateRequest, SamplingParams, build_engine
     from miles_rollout.config import HFEngineConfig
     from miles_sync import DiskSync, build_sender
@@ -89,7 +89,14 @@ def test_the_hf_engine_applies_a_pushed_adapter_as_the_merged_model_computes(tmp
 
 def run_job(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
     url = f"sqlite:///{tmp_path}/miles.db"
-    args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "arithmetic.yaml"), "--quiet"]
+    args = [
+        sys.executable,
+        "-m",
+        "miles_control.cli.main",
+        "run",
+        str(ROOT / "examples" / "arithmetic.yaml"),
+        "--quiet",
+    ]
     for o in (f"store.url={url}", f"output_dir={tmp_path}/runs", *SMALL, *overrides):
         args += ["--set", o]
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -104,7 +111,7 @@ def check_exports(tmp_path: Path, url: str, model: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     adapter_out, merged_out = tmp_path / "adapter", tmp_path / "merged"
-    cli = [sys.executable, "-m", "miles_control.cli", "export", "1"]
+    cli = [sys.executable, "-m", "miles_control.cli.main", "export", "1"]
     for out, extra in ((adapter_out, []), (merged_out, ["--merged"])):
         done = subprocess.run([*cli, str(out), "--store", url, *extra], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr + done.stdout
@@ -123,7 +130,7 @@ def check_exports(tmp_path: Path, url: str, model: Path) -> None:
 def test_a_lora_job_pushes_the_adapter_to_the_hf_engine_and_exports_it(tmp_path, backend):
     from transformers import AutoModelForCausalLM
 
-    from miles_control.store import Store
+    from miles_control.service.store import Store
 
     _, url = run_job(
         tmp_path, "rollout.engine.type=hf", "train.lora={rank: 8, alpha: 16}", "schedule.type=one_step_off",
@@ -149,7 +156,7 @@ def test_sglang_serves_each_pushed_adapter_by_name_without_pausing(tmp_path):
     """sync.lora: adapter on SGLang: each push is loaded into the servers under its version's name, the calls after
     it name it, the servers never pause; the engine computes the trainer's logprobs; old adapters are unloaded."""
     pytest.importorskip("sglang", reason="SGLang is not installed")
-    from miles_control.store import Store
+    from miles_control.service.store import Store
 
     logs = tmp_path / "sglang-logs"
     _, url = run_job(
@@ -181,7 +188,7 @@ def test_sglang_generates_with_the_merged_weights_of_a_lora_job(tmp_path):
     """sync.lora: merge: each push is the merged model, loaded and checked (every server's checksums) as a full
     push is; the trainer computes the engine's logprobs."""
     pytest.importorskip("sglang", reason="SGLang is not installed")
-    from miles_control.store import Store
+    from miles_control.service.store import Store
 
     _, url = run_job(
         tmp_path, "rollout.engine.type=sglang", "train.lora={rank: 8, alpha: 16}", "sync.lora=merge",

@@ -43,9 +43,9 @@ def test_episode_ids_mask_and_logprobs_reach_the_trainer(engine_type, tmp_path, 
             pytest.skip("SGLang is not installed")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from miles_control.assets import build_builtin_model
-    from miles_control.config import BuiltinModelConfig
-    from miles_control.convert import to_train_batch
+    from miles_control.job.assets import build_builtin_model
+    from miles_control.job.convert import to_train_batch
+    from miles_control.spec.config import BuiltinModelConfig
     from miles_rollout import HFEngineConfig, PromptRecord, RolloutConfig, RolloutManager, build_engine
     from miles_rollout.config import MultiTurnConfig, SamplingConfig, SGLangEngineConfig
     from miles_rollout.tasks.arithmetic import arithmetic_prompts

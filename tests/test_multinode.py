@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_demo import ROOT, check_weight_syncs, miles_run  # noqa: E402
 
-from miles_control.store import JobStatus, Store  # noqa: E402
+from miles_control.service.store import JobStatus, Store  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_a_dead_node_fails_the_job_plainly_and_a_resume_continues_from_the_check
     cluster, worker = two_nodes
     url = f"sqlite:///{tmp_path}/miles.db"
     args = [
-        sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "arithmetic.yaml"), "--quiet",
+        sys.executable, "-m", "miles_control.cli.main", "run", str(ROOT / "examples" / "arithmetic.yaml"), "--quiet",
         *[f"--set={o}" for o in (
             f"store.url={url}", f"output_dir={tmp_path}/runs", f"ray.address={cluster.address}",
             "resources.trainer_node={trainer: 1}", "resources.rollout_node={rollout: 1}", "rollout.engine.type=hf",
@@ -95,7 +95,7 @@ def test_a_dead_node_fails_the_job_plainly_and_a_resume_continues_from_the_check
     store.set_status(1, JobStatus.STARTING, expect=JobStatus.QUEUED)  # what the launcher does, then:
     attempt = store.start_attempt(1, "test")
     driver = subprocess.run(
-        [sys.executable, "-m", "miles_control.driver", "--job-id", "1", "--attempt-id", str(attempt.id),
+        [sys.executable, "-m", "miles_control.service.driver", "--job-id", "1", "--attempt-id", str(attempt.id),
          "--store", url, "--ray-address", cluster.address],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip

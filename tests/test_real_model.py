@@ -70,9 +70,9 @@ def test_smollm2_as_shipped_two_steps(runs, engine, backend):
 
 def test_smollm2_on_megatron_tp2_is_refused_naming_the_field():
     """Its 3 key-value heads cannot be split over 2 tensor-parallel ranks: refused before anything starts."""
-    from miles_control.assets import build_packaged_model
-    from miles_control.config import JobSpec, PackagedModelConfig
-    from miles_control.preflight import JobCheckError, check_job
+    from miles_control.job.assets import build_packaged_model
+    from miles_control.job.preflight import JobCheckError, check_job
+    from miles_control.spec.config import JobSpec, PackagedModelConfig
 
     model_dir = build_packaged_model(PackagedModelConfig(source="package"))
     spec = JobSpec.model_validate(
@@ -91,11 +91,11 @@ def test_smollm2_multi_turn_episodes_with_its_chat_template(tmp_path):
     logprobs of the model's tokens stay within the bf16 bound of the single-turn rows above."""
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("SGLang is not installed")
-    from miles_control.store import Store
+    from miles_control.service.store import Store
 
     root = Path(__file__).resolve().parents[1]
     url = f"sqlite:///{tmp_path}/miles.db"
-    args = [sys.executable, "-m", "miles_control.cli", "run", "examples/capitals/smollm2-capitals-retry.yaml", "--quiet",
+    args = [sys.executable, "-m", "miles_control.cli.main", "run", "examples/capitals/smollm2-capitals-retry.yaml", "--quiet",
             "--set", f"store.url={url}", "--set", f"output_dir={tmp_path}/runs", "--set", "schedule.num_steps=2",
             "--set", "rollout.eval.every_steps=0", "--set", "rollout.eval.num_prompts=8"]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, timeout=1200, cwd=root)
@@ -129,9 +129,9 @@ def test_smollm2_episode_ids_are_its_chat_template_rendering(monkeypatch):
 
     from transformers import AutoTokenizer
 
-    from miles_control.assets import build_packaged_model
-    from miles_control.config import PackagedModelConfig
-    from miles_control.convert import to_train_batch
+    from miles_control.job.assets import build_packaged_model
+    from miles_control.job.convert import to_train_batch
+    from miles_control.spec.config import PackagedModelConfig
     from miles_rollout import HFEngineConfig, PromptRecord, RolloutConfig, RolloutManager, build_engine
     from miles_rollout.config import MultiTurnConfig, SamplingConfig
     from miles_rollout.prompts import PromptEncoder

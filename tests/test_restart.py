@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.store import Store
+from miles_control.service.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -27,7 +27,14 @@ def test_a_killed_trainer_rank_restarts_from_the_checkpoint(tmp_path):
         "schedule.num_steps=6", "schedule.checkpoint_every=2", "schedule.max_restarts=1",
         "schedule.stop_at_accuracy=null", "schedule.max_minutes=null",
     ]  # fmt: skip
-    args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "arithmetic.yaml"), "--quiet"]
+    args = [
+        sys.executable,
+        "-m",
+        "miles_control.cli.main",
+        "run",
+        str(ROOT / "examples" / "arithmetic.yaml"),
+        "--quiet",
+    ]
     for o in overrides:
         args += ["--set", o]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_control.config import JobSpec
+from miles_control.spec.config import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,7 +33,7 @@ def test_the_hf_engine_returns_the_routing_and_a_trainer_replays_it(tmp_path):
     (fsdp2, fp32) agrees with them everywhere."""
     from transformers import AutoModelForCausalLM
 
-    from miles_control.inprocess import run_steps
+    from miles_control.bench.inprocess import run_steps
     from miles_rollout import GenerateRequest, HFEngineConfig, SamplingParams, build_engine
 
     model_dir = build_model("qwen3_moe", "float32", tmp_path / "moe")
@@ -63,7 +63,7 @@ def test_the_hf_engine_returns_the_routing_and_a_trainer_replays_it(tmp_path):
 
 
 def test_replay_on_a_dense_model_is_refused_before_the_job_starts(tmp_path):
-    from miles_control.preflight import JobCheckError, check_job
+    from miles_control.job.preflight import JobCheckError, check_job
 
     dense = build_model("qwen3", "float32", tmp_path / "dense")
     spec = JobSpec.model_validate(
@@ -86,11 +86,18 @@ BACKENDS = [
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_job_replays_sglangs_routing_in_the_trainer(backend, tmp_path):
     pytest.importorskip("sglang", reason="SGLang is not installed")
-    from miles_control.store import Store
+    from miles_control.service.store import Store
 
     model = build_model("qwen3_moe", "bfloat16", tmp_path / "moe")
     url = f"sqlite:///{tmp_path}/miles.db"
-    args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "arithmetic.yaml"), "--quiet"]
+    args = [
+        sys.executable,
+        "-m",
+        "miles_control.cli.main",
+        "run",
+        str(ROOT / "examples" / "arithmetic.yaml"),
+        "--quiet",
+    ]
     for o in (
         f"store.url={url}", f"output_dir={tmp_path}/runs", f"model={{source: path, path: {model}}}",
         "rollout.engine.type=sglang", "train.routing_replay=true", "schedule.num_steps=2",
@@ -115,7 +122,7 @@ def test_replay_on_a_mixture_of_experts_with_dense_layers(tmp_path):
     the layers that have experts, and the trainer read it by absolute layer number, so layer 1's router got what
     belonged to no layer, and the job failed mid-run. Layers are now matched by position: the replay agrees
     everywhere in fp32."""
-    from miles_control.inprocess import run_steps
+    from miles_control.bench.inprocess import run_steps
     from miles_rollout import HFEngineConfig, build_engine
     from miles_train.routing import routing_columns
 
@@ -136,7 +143,7 @@ def test_deepseek_v3_on_the_hf_engine_and_fsdp2_with_replay(tmp_path):
     unknown to the hf engine), and its router (`DeepseekV3TopkRouter`) was not found by class name, so replay did
     nothing. Pushes now carry the buffer with the weight check on, and the router, found by what it holds, replays
     the engine's experts weighed as it weighs its own."""
-    from miles_control.inprocess import run_steps
+    from miles_control.bench.inprocess import run_steps
     from miles_rollout import HFEngineConfig, build_engine
 
     model_dir = build_model("deepseek_v3", "float32", tmp_path / "dsv3")

@@ -28,10 +28,10 @@ def test_trainer_recomputes_logprobs_at_the_temperature_the_engine_sampled(engin
     import torch
     from transformers import AutoTokenizer
 
-    from miles_control.assets import build_builtin_model
-    from miles_control.config import BuiltinModelConfig
-    from miles_control.convert import to_train_batch
-    from miles_control.testing import free_port
+    from miles_control.job.assets import build_builtin_model
+    from miles_control.job.convert import to_train_batch
+    from miles_control.spec.config import BuiltinModelConfig
+    from miles_control.testing.servers import free_port
     from miles_rollout import RolloutManager, build_engine
     from miles_rollout.config import HFEngineConfig, RolloutConfig, SGLangEngineConfig
     from miles_rollout.tasks.arithmetic import arithmetic_prompts

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.store import Store
-from miles_control.summary import summarize
+from miles_control.service.store import Store
+from miles_control.service.summary import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -19,7 +19,14 @@ SMALL = ["rollout.num_prompts_per_step=16", "rollout.eval.num_prompts=50", "roll
 
 def command(tmp_path: Path, *overrides: str) -> tuple[list[str], str]:
     url = f"sqlite:///{tmp_path}/miles.db"
-    args = [sys.executable, "-m", "miles_control.cli", "run", str(ROOT / "examples" / "arithmetic.yaml"), "--quiet"]
+    args = [
+        sys.executable,
+        "-m",
+        "miles_control.cli.main",
+        "run",
+        str(ROOT / "examples" / "arithmetic.yaml"),
+        "--quiet",
+    ]
     for o in (f"store.url={url}", f"output_dir={tmp_path}/runs", *SMALL, *overrides):
         args += ["--set", o]
     return args, url

@@ -32,8 +32,8 @@ def post(url: str, body: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from miles_control.assets import build_builtin_model
-    from miles_control.config import BuiltinModelConfig
+    from miles_control.job.assets import build_builtin_model
+    from miles_control.spec.config import BuiltinModelConfig
 
     return build_builtin_model(BuiltinModelConfig())
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.testing import fresh_venv, link_distributions, requirement_closure
+from miles_control.testing.servers import fresh_venv, link_distributions, requirement_closure
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A random two-layer Llama with tied embeddings and the arithmetic character tokenizer."""
-    from miles_control import tiny_models
+    from miles_control.testing import tiny_models
     from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()

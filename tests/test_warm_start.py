@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 BUILD = """
 import json, sys
 from pathlib import Path
-from miles_control.assets import build_builtin_model
-from miles_control.config import BuiltinModelConfig
+from miles_control.job.assets import build_builtin_model
+from miles_control.spec.config import BuiltinModelConfig
 folder = build_builtin_model(BuiltinModelConfig(), root=Path(sys.argv[1]))
 print(json.dumps(json.loads((folder / "miles_asset.json").read_text())))
 """

@@ -1,7 +1,7 @@
 """MkDocs hook: the configuration reference, generated at build time from the job spec's pydantic models.
 
 `docs/configuration.md` holds the placeholder below; this hook replaces it with one section per model reachable
-from `miles_control.config.JobSpec` (the models of miles_rollout.config, miles_train.config and miles_sync.config
+from `miles_control.spec.config.JobSpec` (the models of miles_rollout.config, miles_train.config and miles_sync.config
 that it composes), each a table of field, type, default and description. A section's intro is the model's
 docstring, a field's description its `Field(description=...)`. A discriminated union (`model`, `rollout.engine`,
 `train.backend`, `sync`, `schedule`) gets one section that lists its variants, the fields their common base
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _BOUNDS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤"}
 
 
-CONFIG_MODULES = ("miles_sync.config", "miles_rollout.config", "miles_train.config", "miles_control.config")
+CONFIG_MODULES = ("miles_sync.config", "miles_rollout.config", "miles_train.config", "miles_control.spec.config")
 
 
 def _import_job_spec() -> type:

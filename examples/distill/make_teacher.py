@@ -12,8 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from miles_control.assets import build_builtin_model
-from miles_control.config import BuiltinModelConfig
+from miles_control.job.assets import build_builtin_model
+from miles_control.spec.config import BuiltinModelConfig
 
 TEACHER_TARGET = 0.6
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.testing import fresh_venv, link_distributions, requirement_closure
+from miles_control.testing.servers import fresh_venv, link_distributions, requirement_closure
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from miles_control.store import Store
-from miles_control.store.tokens import create_token
-from miles_control.testing import PG_ENV, ApiServer, fresh_pg_database
+from miles_control.service.store import Store
+from miles_control.service.store.tokens import create_token
+from miles_control.testing.servers import PG_ENV, ApiServer, fresh_pg_database
 
 
 def pytest_collection_modifyitems(config, items):

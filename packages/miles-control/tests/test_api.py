@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_control.config import JobSpec
-from miles_control.store import JobStatus, Store
-from miles_control.store.tokens import revoke_token
+from miles_control.service.store import JobStatus, Store
+from miles_control.service.store.tokens import revoke_token
+from miles_control.spec.config import JobSpec
 
 
 def test_tokens_scopes_and_open_routes(api):
@@ -224,9 +224,9 @@ def test_rewards_over_the_api_are_functions_of_allowed_modules_only(tmp_path, mo
     """Checked from the module's source: the server never imports (runs) a plug-in module."""
     import sys
 
-    from miles_control.api.policy import check_spec
-    from miles_control.config import JobSpec
-    from miles_control.settings import ServerSettings
+    from miles_control.service.api.policy import check_spec
+    from miles_control.service.settings import ServerSettings
+    from miles_control.spec.config import JobSpec
 
     plugin = tmp_path / "plug"
     (plugin / "pkg").mkdir(parents=True)
@@ -267,9 +267,9 @@ def test_generate_functions_and_environments_over_the_api_are_of_allowed_modules
     read from its source, never imported."""
     import sys
 
-    from miles_control.api.policy import check_spec
-    from miles_control.config import JobSpec
-    from miles_control.settings import ServerSettings
+    from miles_control.service.api.policy import check_spec
+    from miles_control.service.settings import ServerSettings
+    from miles_control.spec.config import JobSpec
 
     plugin = tmp_path / "plug"
     (plugin / "agents").mkdir(parents=True)
@@ -307,9 +307,9 @@ def test_a_user_objective_over_the_api_is_a_class_of_an_allowed_module(tmp_path,
     """train.algorithm: a built-in, or a class of an allowed module read from its source, never imported."""
     import sys
 
-    from miles_control.api.policy import check_spec
-    from miles_control.config import JobSpec
-    from miles_control.settings import ServerSettings
+    from miles_control.service.api.policy import check_spec
+    from miles_control.service.settings import ServerSettings
+    from miles_control.spec.config import JobSpec
 
     plugin = tmp_path / "plug"
     (plugin / "algos").mkdir(parents=True)
@@ -331,9 +331,9 @@ def test_a_user_objective_over_the_api_is_a_class_of_an_allowed_module(tmp_path,
 
 
 def test_limits_are_server_settings(monkeypatch):
-    from miles_control.api.policy import check_spec
-    from miles_control.config import JobSpec
-    from miles_control.settings import ServerSettings
+    from miles_control.service.api.policy import check_spec
+    from miles_control.service.settings import ServerSettings
+    from miles_control.spec.config import JobSpec
 
     spec = JobSpec.model_validate({"name": "x", "train": {"backend": {"type": "fsdp2", "world_size": 2}}})
     assert check_spec(spec, ServerSettings(cpus=4))[1] == []
@@ -344,9 +344,9 @@ def test_limits_are_server_settings(monkeypatch):
 
 
 def test_a_plan_needing_more_gpus_than_the_server_has_is_refused_at_submission(monkeypatch):
-    from miles_control.api.policy import check_spec, local_gpus
-    from miles_control.config import JobSpec
-    from miles_control.settings import ServerSettings
+    from miles_control.service.api.policy import check_spec, local_gpus
+    from miles_control.service.settings import ServerSettings
+    from miles_control.spec.config import JobSpec
 
     def problems(settings: ServerSettings, **fields) -> list[dict]:
         spec = JobSpec.model_validate({"name": "x", "train": {"backend": {"type": "fsdp2", "world_size": 2}}} | fields)
@@ -430,8 +430,8 @@ def test_an_open_stream_ends_when_its_token_is_revoked(api):
 def test_sigterm_ends_open_streams_and_the_server(store_url, tmp_path):
     """An open /events/stream no longer holds `miles serve` after SIGTERM: the stream ends with `shutdown`
     and the process exits (both stores)."""
-    from miles_control.store.tokens import create_token
-    from miles_control.testing import ApiServer
+    from miles_control.service.store.tokens import create_token
+    from miles_control.testing.servers import ApiServer
 
     store = Store(store_url)
     _, secret = create_token(store, "reader", "read")
@@ -498,7 +498,7 @@ def test_engine_logs_are_served_only_from_where_the_server_put_or_confined_them(
     """An SGLang server's log (`get_logs?source=engine-<i>`): from the launcher's folder beside the driver's log; a
     link there that leads elsewhere is not served; a spec's own rollout.engine.log_dir only for a job created over
     the API (whose policy confined it) and only for its latest attempt."""
-    from miles_control.launch.drivers import engine_log_dir
+    from miles_control.service.launch.drivers import engine_log_dir
 
     def attempt_logging_to(job_id: int, log_path: Path) -> None:
         for live in api.store.attempts(job_id, live_only=True):  # one live attempt per job: a resume ends the last
@@ -558,9 +558,9 @@ def test_datasets_hub_ids_map_functions_and_trackers_over_the_api(tmp_path, monk
     """data.source hf: a Hub id is kept for the server's Hugging Face cache, a local path is confined to the data
     root; data.map is a function of an allowed module (read, not imported); a tracker writes under the runs folder
     and names no host (no tracking_uri)."""
-    from miles_control.api.policy import check_spec
-    from miles_control.config import JobSpec
-    from miles_control.settings import ServerSettings
+    from miles_control.service.api.policy import check_spec
+    from miles_control.service.settings import ServerSettings
+    from miles_control.spec.config import JobSpec
 
     plugin = tmp_path / "plug"
     (plugin / "rows").mkdir(parents=True)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from miles_control.bench_weights import MIB, Fit, Point, Scale, fit, project
+from miles_control.bench.weights import MIB, Fit, Point, Scale, fit, project
 
 
 def points(t0: float, t_bucket: float, t_byte: float, noise: float = 0.0) -> list[Point]:

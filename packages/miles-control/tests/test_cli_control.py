@@ -4,13 +4,13 @@ import os
 import subprocess
 import sys
 
-from miles_control.store import JobStatus
-from miles_control.store.tokens import check_token
+from miles_control.service.store import JobStatus
+from miles_control.service.store.tokens import check_token
 
 
 def miles(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "miles_control.cli", *args],
+        [sys.executable, "-m", "miles_control.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=120,

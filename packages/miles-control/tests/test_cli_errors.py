@@ -5,9 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from miles_control.store import JobStatus, Store
+from miles_control.service.store import JobStatus, Store
 
-MILES = [sys.executable, "-m", "miles_control.cli"]
+MILES = [sys.executable, "-m", "miles_control.cli.main"]
 
 
 def miles_run(tmp_path: Path, spec_text: str, *extra: str) -> subprocess.CompletedProcess:
@@ -96,7 +96,7 @@ def test_schedule_set_queues_live_changes_and_refuses_others(tmp_path):
 
     bad = schedule_set(str(job), "max_staleness")
     assert bad.returncode == 2 and "'max_staleness': expected field=value" in bad.stderr
-    # the API's own check (miles_control.schedules.control.queue_schedule_change): live fields only, ...
+    # the API's own check (miles_control.job.schedules.control.queue_schedule_change): live fields only, ...
     bad = schedule_set(str(job), "num_steps=5")
     assert bad.returncode == 2 and "num_steps: not a live field of a one_step_off schedule" in bad.stderr
     # ... of the job's schedule type (a sync job has no staleness bound), ...

@@ -6,9 +6,9 @@ import inspect
 import httpx
 import pytest
 
-from miles_control.api.schemas import JobDetail, RunSummaryPublic, SpanPublic
 from miles_control.client import OPERATIONS, ApiError, MilesClient
-from miles_control.store import JobStatus
+from miles_control.service.api.schemas import JobDetail, RunSummaryPublic, SpanPublic
+from miles_control.service.store import JobStatus
 
 
 def token_of(headers: dict) -> str:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from miles_control.convert import to_train_batch
+from miles_control.job.convert import to_train_batch
 from miles_rollout.types import RolloutBatch, Sample, SampleStatus, SamplingParams
 
 

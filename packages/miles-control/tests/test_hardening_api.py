@@ -10,10 +10,10 @@ import httpx
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from miles_control.api.app import _validation_error
-from miles_control.store import Store
-from miles_control.store.tokens import create_token
-from miles_control.testing import ApiServer
+from miles_control.service.api.app import _validation_error
+from miles_control.service.store import Store
+from miles_control.service.store.tokens import create_token
+from miles_control.testing.servers import ApiServer
 
 DEEP = b"[" * 700 + b"]" * 700
 BODIES = {

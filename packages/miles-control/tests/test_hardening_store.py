@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.config import JobSpec
-from miles_control.launch.launcher import Launcher
-from miles_control.settings import ServerSettings
-from miles_control.status import FencedOut, JobStatus
-from miles_control.store import AttemptConflict, Store
+from miles_control.job.status import FencedOut, JobStatus
+from miles_control.service.launch.launcher import Launcher
+from miles_control.service.settings import ServerSettings
+from miles_control.service.store import AttemptConflict, Store
+from miles_control.spec.config import JobSpec
 
 
 def running_job(store: Store, host: str, pid: int = 999_999) -> tuple[int, int]:
@@ -123,7 +123,7 @@ def test_two_servers_share_one_cpu_budget_per_host(store_url, tmp_path):
 def test_checkpoints_are_pruned_to_what_the_schedule_keeps(tmp_path):
     """Finding 3: a job's checkpoints were never pruned. The recorder keeps `schedule.keep_checkpoints`, the
     newest, and deletes the others' folders and rows; a step saved twice keeps its folder."""
-    from miles_control.recorder import Recorder
+    from miles_control.job.recorder import Recorder
 
     store = Store(f"sqlite:///{tmp_path}/miles.db")
     job = store.create_job("ckpt", {})
@@ -149,8 +149,8 @@ def test_health_says_when_the_store_cannot_be_written_or_ray_does_not_answer(tmp
     from fastapi.testclient import TestClient
     from sqlalchemy.exc import OperationalError
 
-    from miles_control.api.app import create_app
-    from miles_control.launch import launcher as launcher_module
+    from miles_control.service.api.app import create_app
+    from miles_control.service.launch import launcher as launcher_module
 
     settings = ServerSettings(store_url=f"sqlite:///{tmp_path}/m.db", data_dir=tmp_path, launcher="local", cpus=2)
     app = create_app(settings)
@@ -184,7 +184,7 @@ def test_a_ray_head_that_cannot_start_fails_with_its_cause(tmp_path, monkeypatch
     fails at once, and the error carries the head's own last log lines."""
     import sys
 
-    from miles_control.launch.local_ray import LocalRay
+    from miles_control.service.launch.local_ray import LocalRay
 
     fake_ray = tmp_path / "bin" / "ray"
     fake_ray.parent.mkdir()

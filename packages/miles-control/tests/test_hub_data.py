@@ -7,11 +7,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from miles_control.assets import resolve_model_path
-from miles_control.data import load_job_prompts
-from miles_control.hub import HubError
-from miles_control.spec import SpecError, parse_spec
-from miles_control.testing import put_in_hub_cache
+from miles_control.job.assets import resolve_model_path
+from miles_control.job.data import load_job_prompts
+from miles_control.job.hub import HubError
+from miles_control.spec.load import SpecError, parse_spec
+from miles_control.testing.servers import put_in_hub_cache
 from miles_rollout.config import DataConfig
 from miles_rollout.data import PromptDataError
 

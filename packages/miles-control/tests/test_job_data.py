@@ -1,6 +1,6 @@
 import pytest
 
-from miles_control.data import load_job_prompts
+from miles_control.job.data import load_job_prompts
 from miles_rollout.config import DataConfig
 from miles_rollout.data import PromptDataError
 

@@ -12,9 +12,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from miles_control.store import Base, Store
-from miles_control.store.migrate import current_revision, downgrade, head_revision, upgrade
-from miles_control.store.store import make_engine
+from miles_control.service.store import Base, Store
+from miles_control.service.store.migrate import current_revision, downgrade, head_revision, upgrade
+from miles_control.service.store.store import make_engine
 
 TABLES = {"jobs", "attempts", "steps", "spans", "metrics", "events", "checkpoints", "schedule_changes", "samples"}
 
@@ -81,7 +81,7 @@ def test_a_store_from_before_migrations_is_adopted(store_url):
 _OPEN_AT_ONCE = """
 import sys, time
 from pathlib import Path
-from miles_control.store import Store
+from miles_control.service.store import Store
 go = Path(sys.argv[2])
 while not go.exists():
     time.sleep(0.005)
@@ -104,7 +104,7 @@ def _open_at_once(url: str, go: Path, processes: int) -> list[subprocess.Complet
 def test_stores_opened_at_once_migrate_once(store_url, tmp_path):
     """Several processes (two `miles serve`, `miles tokens create`) opening one new store at the same moment:
     every one succeeds and the store ends with one version row. Repeated, since a race shows only sometimes."""
-    from miles_control.testing import PG_ENV, fresh_pg_database
+    from miles_control.testing.servers import PG_ENV, fresh_pg_database
 
     for round_ in range(6):
         sqlite = store_url.startswith("sqlite")
@@ -124,7 +124,7 @@ def test_stores_opened_at_once_migrate_once(store_url, tmp_path):
 def test_a_version_table_with_two_rows_is_repaired_or_refused(store_url):
     """What an unserialised race left behind: the tables at head with two version rows are repaired; the
     tables of an older revision with two rows are refused with what to do, and nothing is migrated."""
-    from miles_control.store.migrate import StoreSchemaError
+    from miles_control.service.store.migrate import StoreSchemaError
 
     engine = make_engine(store_url)
     upgrade(engine)

@@ -9,8 +9,7 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from miles_control.config import JobSpec
-from miles_control.placement import (
+from miles_control.job.placement import (
     PlanError,
     engine_gpu_ids,
     make_plan,
@@ -18,6 +17,7 @@ from miles_control.placement import (
     trainer_placement,
     trainer_rank_options,
 )
+from miles_control.spec.config import JobSpec
 from miles_rollout.config import SGLangEngineConfig
 from miles_rollout.engines.sglang.server import server_command
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from miles_control.config import JobSpec
-from miles_control.preflight import JobCheckError, check_job, describe_error, plain_error
-from miles_control.tiny_models import LLAMA3_ROPE, save_tiny_model, tiny_model
+from miles_control.job.preflight import JobCheckError, check_job, describe_error, plain_error
+from miles_control.spec.config import JobSpec
+from miles_control.testing.tiny_models import LLAMA3_ROPE, save_tiny_model, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +218,7 @@ def test_a_reward_beside_the_job_file_is_found_and_its_bad_value_is_reported_pla
     """No PYTHONPATH: `miles run` puts the job file's folder on the path of the driver and of every Ray worker.
     The module works at step 1 and returns a string at step 2: the job fails naming the function and the value,
     without Ray's wrapping or colour codes, and step 1 stays recorded."""
-    from miles_control.store import Store
+    from miles_control.service.store import Store
 
     jobs = tmp_path / "jobs"
     jobs.mkdir()
@@ -233,7 +233,7 @@ def test_a_reward_beside_the_job_file_is_found_and_its_bad_value_is_reported_pla
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"MILES_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
     result = subprocess.run(
-        [sys.executable, "-m", "miles_control.cli", "run", str(jobs / "job.yaml"), "--quiet"],
+        [sys.executable, "-m", "miles_control.cli.main", "run", str(jobs / "job.yaml"), "--quiet"],
         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
@@ -250,7 +250,7 @@ def test_an_update_mostly_lost_to_rounding_is_reported_once(caplog):
     """train/update_kept_frac under 0.5: one warning in the log and one event in the store, naming the cause."""
     from types import SimpleNamespace
 
-    from miles_control.runtime.job import JobRuntime
+    from miles_control.job.runtime.job import JobRuntime
 
     events = []
     runtime = SimpleNamespace(

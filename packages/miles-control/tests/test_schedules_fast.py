@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles_control.config import JobSpec
-from miles_control.recorder import Recorder
-from miles_control.runtime.buffer import Group, StalenessBuffer
-from miles_control.runtime.workers import Evaluated
-from miles_control.schedules import SCHEDULES
-from miles_control.store import Store
+from miles_control.job.recorder import Recorder
+from miles_control.job.runtime.buffer import Group, StalenessBuffer
+from miles_control.job.runtime.workers import Evaluated
+from miles_control.job.schedules import SCHEDULES
+from miles_control.service.store import Store
+from miles_control.spec.config import JobSpec
 from miles_rollout.types import RolloutBatch, Sample, SamplingParams
 
 
@@ -154,7 +154,7 @@ class FakeRuntime:
 def clock(monkeypatch):
     clock = FakeClock()
     for module in ("common", "sync", "one_step_off", "fully_async"):
-        monkeypatch.setattr(f"miles_control.schedules.{module}.time", clock)
+        monkeypatch.setattr(f"miles_control.job.schedules.{module}.time", clock)
     return clock
 
 
@@ -242,7 +242,7 @@ def test_stop_at_accuracy_ends_the_run_where_it_is_reached(tmp_path, clock):
 
 
 def test_a_cancel_stops_before_the_next_step(tmp_path, clock):
-    from miles_control.schedules.control import JobCancelled
+    from miles_control.job.schedules.control import JobCancelled
 
     def cancel(rt: FakeRuntime, next_step: int) -> None:
         if next_step == 3:
@@ -253,7 +253,7 @@ def test_a_cancel_stops_before_the_next_step(tmp_path, clock):
 
 
 def test_the_fake_clock_is_what_the_schedules_read(clock):
-    from miles_control.schedules import common
+    from miles_control.job.schedules import common
 
     assert common.time.time() == clock.now != time.time()
 

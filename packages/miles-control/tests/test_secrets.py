@@ -14,14 +14,14 @@ import pytest
 from sqlalchemy.engine import make_url
 from typer.testing import CliRunner
 
-from miles_control.driver import STORE_URL_ENV
-from miles_control.launch.drivers import LocalDriver, ray_job_submission
-from miles_control.launch.processes import arg_after, cmdline
-from miles_control.recorder import Recorder
-from miles_control.redact import mask_credentials
-from miles_control.settings import ServerSettings
-from miles_control.store import Store
-from miles_control.testing import PG_ENV, ApiServer, fresh_pg_database
+from miles_control.job.recorder import Recorder
+from miles_control.job.redact import mask_credentials
+from miles_control.service.driver import STORE_URL_ENV
+from miles_control.service.launch.drivers import LocalDriver, ray_job_submission
+from miles_control.service.launch.processes import arg_after, cmdline
+from miles_control.service.settings import ServerSettings
+from miles_control.service.store import Store
+from miles_control.testing.servers import PG_ENV, ApiServer, fresh_pg_database
 
 ROOT = Path(__file__).resolve().parents[3]
 SECRET = "Pw-7q2xK9z"  # distinctive: found nowhere else in a command line or a log
@@ -89,14 +89,14 @@ def test_a_local_driver_gets_the_store_url_in_its_environment_not_its_command_li
     assert not any(SECRET in arg for arg in args), args
     assert "--store" not in args
     # what a re-attached launcher recognises its driver by, in /proc (LocalDriver.alive)
-    assert "miles_control.driver" in args and arg_after(args, "--attempt-id") == "42"
+    assert "miles_control.service.driver" in args and arg_after(args, "--attempt-id") == "42"
     assert f"{STORE_URL_ENV}={UNREACHABLE}" in environ and "EXTRA=1" in environ
 
 
 def test_the_driver_reads_the_store_from_its_environment_and_logs_it_masked():
     env = {**os.environ, STORE_URL_ENV: UNREACHABLE}
     proc = subprocess.run(
-        [sys.executable, "-m", "miles_control.driver", "--job-id", "3", "--attempt-id", "4"],
+        [sys.executable, "-m", "miles_control.service.driver", "--job-id", "3", "--attempt-id", "4"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
@@ -111,7 +111,7 @@ def test_a_ray_job_driver_has_the_store_url_in_its_environment_not_its_entrypoin
     settings = ServerSettings(launcher="ray_job", ray_address="http://head:8265", driver_python="/opt/py")
     entrypoint, runtime_env = ray_job_submission(settings, UNREACHABLE, 3, 9)
     assert SECRET not in entrypoint and "--store" not in entrypoint
-    assert entrypoint.startswith("/opt/py -m miles_control.driver") and "--attempt-id 9" in entrypoint
+    assert entrypoint.startswith("/opt/py -m miles_control.service.driver") and "--attempt-id 9" in entrypoint
     assert runtime_env == {"env_vars": {"MILES_CACHE": "/cache", STORE_URL_ENV: UNREACHABLE}}
 
 
@@ -144,13 +144,13 @@ def test_serve_and_health_show_no_store_password(pg_url, tmp_path):
 def test_miles_run_prints_and_records_no_store_password(pg_url, monkeypatch):
     """`miles run` on a PostgreSQL store: its output, and the spec it records (which the API shows with the job),
     carry no password. The run itself is a stand-in that records the spec it is given as `run_job` does."""
-    import miles_control.run
-    from miles_control.cli import app
+    import miles_control.job.run
+    from miles_control.cli.main import app
 
     def run_job(spec, store, **_):
         return store.create_job(spec.name, spec.model_dump(mode="json"))
 
-    monkeypatch.setattr(miles_control.run, "run_job", run_job)
+    monkeypatch.setattr(miles_control.job.run, "run_job", run_job)
     config = ROOT / "examples" / "arithmetic.yaml"
     result = CliRunner().invoke(app, ["run", str(config), "--quiet", "--set", f"store.url={pg_url}"])
     assert result.exit_code == 0, result.output

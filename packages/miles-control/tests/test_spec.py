@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.config import PathModelConfig
-from miles_control.spec import SpecError, load_spec
-from miles_control.spec_paths import PATH_FIELDS
+from miles_control.spec.config import PathModelConfig
+from miles_control.spec.load import SpecError, load_spec
+from miles_control.spec.paths import PATH_FIELDS
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))  # with the task folders (examples/capitals/)
@@ -123,8 +123,8 @@ def test_overrides(tmp_path):
 
 def test_config_modules_do_not_import_torch():
     code = (
-        "import sys, miles_control.config, miles_control.spec, miles_rollout.config, miles_train.config, "
-        "miles_sync.config; miles_control.config.JobSpec(name='x'); "  # the default engine looks sglang up
+        "import sys, miles_control.spec.config, miles_control.spec.load, miles_rollout.config, miles_train.config, "
+        "miles_sync.config; miles_control.spec.config.JobSpec(name='x'); "  # the default engine looks sglang up
         "bad = [m for m in ('torch', 'transformers', 'ray', 'sglang') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -139,7 +139,7 @@ def test_a_backend_mapping_names_its_type(tmp_path):
 def test_schedule_and_sync_take_only_their_types_fields(tmp_path):
     """`schedule` and `sync` are unions told apart by `type` / `transport`: a field of another type is refused,
     named as the user wrote it (without the union's tag in the path)."""
-    from miles_control.config import FullyAsyncSchedule, SyncSchedule
+    from miles_control.spec.config import FullyAsyncSchedule, SyncSchedule
 
     assert errors_of(write(tmp_path, "name: x\nschedule:\n  max_staleness: 2\n")) == [
         "schedule.max_staleness: Extra inputs are not permitted; 'max_staleness' is a field of fully_async, not of "
@@ -165,7 +165,7 @@ def test_schedule_and_sync_take_only_their_types_fields(tmp_path):
 
 def test_a_schedule_stored_before_the_split_still_loads():
     """Specs stored before the schedule types were split hold every type's fields at their defaults."""
-    from miles_control.config import JobSpec, SyncSchedule
+    from miles_control.spec.config import JobSpec, SyncSchedule
 
     stored = {"type": "sync", "num_steps": 5, "update_weights_interval": 1, "max_staleness": 1,
               "stale_policy": "drop", "buffer_groups": None, "async_eval": True, "pause_mode": "in_place"}  # fmt: skip
@@ -176,7 +176,7 @@ def test_a_schedule_stored_before_the_split_still_loads():
 
 
 def test_a_schedule_as_another_type_keeps_what_both_have():
-    from miles_control.config import FullyAsyncSchedule, OneStepOffSchedule, SyncSchedule, as_schedule
+    from miles_control.spec.config import FullyAsyncSchedule, OneStepOffSchedule, SyncSchedule, as_schedule
 
     full = FullyAsyncSchedule(num_steps=7, update_weights_interval=2, max_staleness=4, pause_mode="retract")
     assert as_schedule(full, "sync") == SyncSchedule(num_steps=7, pause_mode="retract")
@@ -202,7 +202,7 @@ def test_a_built_in_models_own_setting_is_refused_on_the_other(tmp_path):
 
 
 def test_kind_sft_fills_what_supervised_fine_tuning_needs_and_refuses_contradictions():
-    from miles_control.config import JobSpec
+    from miles_control.spec.config import JobSpec
 
     spec = JobSpec.model_validate(
         {"name": "s", "kind": "sft", "data": {"source": "file", "path": "pairs.jsonl", "eval_path": "e.jsonl"}}
@@ -219,7 +219,7 @@ def test_kind_sft_fills_what_supervised_fine_tuning_needs_and_refuses_contradict
 
 
 def test_dynamic_sampling_and_the_overlong_penalty_are_refused_where_they_mean_nothing():
-    from miles_control.config import JobSpec
+    from miles_control.spec.config import JobSpec
 
     with pytest.raises(ValueError, match="but train.algorithm.tis_cap is 2.0"):
         JobSpec.model_validate({"name": "s", "kind": "sft", "train": {"algorithm": {"tis_cap": 2.0}}})

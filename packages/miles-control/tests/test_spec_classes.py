@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from miles_control.api.policy import LIMITED, UNSIZED, check_spec
-from miles_control.config import JobSpec
-from miles_control.settings import JobLimits, ServerSettings
-from miles_control.spec_paths import PATH_FIELDS
+from miles_control.service.api.policy import LIMITED, UNSIZED, check_spec
+from miles_control.service.settings import JobLimits, ServerSettings
+from miles_control.spec.config import JobSpec
+from miles_control.spec.paths import PATH_FIELDS
 
 
 def _models(annotation: Any) -> list[type[BaseModel]]:
@@ -47,7 +47,7 @@ def _upper_bound(field) -> bool:
 
 
 def test_every_path_like_field_is_in_the_path_table():
-    """A string field whose name or description says file/folder/path must be in spec_paths.PATH_FIELDS (confined
+    """A string field whose name or description says file/folder/path must be in spec.paths.PATH_FIELDS (confined
     over the API, resolved against the job file) or be a field that is not opened as a local path."""
     not_paths = {  # dotted paths of code, Hub ids, URLs: never opened as local files
         ("rollout", "reward"), ("rollout", "generate"), ("rollout", "environment"), ("data", "map"),
@@ -62,7 +62,7 @@ def test_every_path_like_field_is_in_the_path_table():
         named = loc[-1].endswith(("path", "dir", "file", "folder")) or loc[-1] in ("teacher", "chat_template")
         if named or "folder" in (field.description or "").lower():
             found.add(loc)
-    assert found - set(PATH_FIELDS) == set(), "path-like fields missing from spec_paths.PATH_FIELDS"
+    assert found - set(PATH_FIELDS) == set(), "path-like fields missing from spec.paths.PATH_FIELDS"
     assert set(PATH_FIELDS) - {loc for loc, _ in spec_fields()} == set(), "PATH_FIELDS names fields that do not exist"
 
 
@@ -181,8 +181,8 @@ def test_a_hub_shaped_path_is_never_opened_from_the_servers_folder(tmp_path, mon
     then opened relative to the driver's working directory, and its lines came back through the samples API. Now
     it is looked up in the Hugging Face cache only (offline here: not found), whatever lies in the working
     directory."""
-    from miles_control.data import load_job_prompts
-    from miles_control.hub import HubError
+    from miles_control.job.data import load_job_prompts
+    from miles_control.job.hub import HubError
 
     server_dir = tmp_path / "server"
     target = server_dir / name / "rows.jsonl" if name.endswith("/") else server_dir / name  # a file or a folder

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_control.runtime.buffer import Group, StalenessBuffer
+from miles_control.job.runtime.buffer import Group, StalenessBuffer
 
 
 def test_take_skips_and_counts_stale_groups_by_hand():

@@ -2,7 +2,7 @@ import sqlite3
 
 import pytest
 
-from miles_control.store import JobStatus, Store
+from miles_control.service.store import JobStatus, Store
 
 
 @pytest.fixture
@@ -53,8 +53,8 @@ def test_sqlite_uses_wal_and_survives_reopen(tmp_path):
 
 
 # --- the job lifecycle, on SQLite and PostgreSQL -----------------------------------------------------
-from miles_control.store import TRANSITIONS, InvalidTransition, JobNotFound  # noqa: E402
-from miles_control.store.tokens import check_token, create_token, list_tokens, revoke_token  # noqa: E402
+from miles_control.service.store import TRANSITIONS, InvalidTransition, JobNotFound  # noqa: E402
+from miles_control.service.store.tokens import check_token, create_token, list_tokens, revoke_token  # noqa: E402
 
 
 def job_in(store: Store, status: JobStatus) -> int:

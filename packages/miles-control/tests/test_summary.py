@@ -2,8 +2,8 @@
 
 import pytest
 
-from miles_control.store import Store
-from miles_control.summary import push_breakdown, summarize
+from miles_control.service.store import Store
+from miles_control.service.summary import push_breakdown, summarize
 
 
 def test_push_breakdown_averages_each_phase_and_names_what_the_phases_miss():
@@ -37,8 +37,8 @@ def test_summary_reads_the_phases_of_each_weight_sync_span(tmp_path):
 
 
 def test_time_to_target_reads_the_first_wall_time_at_the_accuracy_every_schedule_reached():
-    from miles_control.bench import time_to_target_table
-    from miles_control.summary import RunSummary, time_to_accuracy
+    from miles_control.bench.schedules import time_to_target_table
+    from miles_control.service.summary import RunSummary, time_to_accuracy
 
     def run(schedule: str, curve: list[tuple[float, float]]) -> RunSummary:
         return RunSummary(job_id=1, status="succeeded", schedule=schedule, num_steps=3, wall_s=60.0, samples=1,
@@ -78,7 +78,7 @@ def test_a_push_that_waited_for_the_batch_to_end_counts_without_the_wait(tmp_pat
 def test_the_rollouts_idle_time_between_batches_is_split_by_what_ran_meanwhile():
     from types import SimpleNamespace
 
-    from miles_control.summary import rollout_gaps
+    from miles_control.service.summary import rollout_gaps
 
     def span(stage, start, end, **attrs):
         return SimpleNamespace(stage=stage, start=start, end=end, attrs=attrs)

@@ -5,9 +5,9 @@ tests/test_algorithms.py)."""
 import pytest
 from pydantic import ValidationError
 
-from miles_control.config import JobSpec
-from miles_control.store import JobStatus, Store
-from miles_control.sweep import recorded_variants, sweep, with_overrides
+from miles_control.bench.sweep import recorded_variants, sweep, with_overrides
+from miles_control.service.store import JobStatus, Store
+from miles_control.spec.config import JobSpec
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def ran(monkeypatch) -> list[JobSpec]:
         store.set_status(job_id, JobStatus.SUCCEEDED)
         return job_id
 
-    monkeypatch.setattr("miles_control.run.run_job", run_job)
+    monkeypatch.setattr("miles_control.job.run.run_job", run_job)
     return specs
 
 
@@ -71,7 +71,7 @@ def test_without_a_check_an_invalid_variant_or_a_job_without_steps_stops_the_swe
         store.set_status(job_id, JobStatus.FAILED, error="engine died")
         return job_id
 
-    monkeypatch.setattr("miles_control.run.run_job", run_nothing)
+    monkeypatch.setattr("miles_control.job.run.run_job", run_nothing)
     with pytest.raises(RuntimeError, match=r"job \d+ \(fp32\) recorded no steps: engine died"):
         sweep(BASE, {"fp32": {}, "bf16": {"train.precision": "bf16"}}, tmp_path)
 
@@ -84,7 +84,7 @@ def test_with_overrides_sets_dotted_fields_and_replaces_whole_sections():
 
 def test_plot_by_variant_writes_a_png_with_a_line_per_variant(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is not installed")
-    from miles_control.sweep import plot_by_variant
+    from miles_control.bench.sweep import plot_by_variant
 
     curves = {"sync": [(0.0, 0.4), (10.0, 0.5)], "fully_async": [(0.0, 0.4), (6.0, 0.5)], "refused": []}
     assert plot_by_variant(tmp_path / "reward.png", curves, "s", "reward") == "reward.png"

@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoConfig
 
-from miles_control.tiny_models import FAMILIES, TINY, save_tiny_model, tiny_model
+from miles_control.testing.tiny_models import FAMILIES, TINY, save_tiny_model, tiny_model
 from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_control.spec import SpecError, parse_spec
-from miles_control.tracking import Trackers
+from miles_control.job.tracking import Trackers
+from miles_control.spec.load import SpecError, parse_spec
 
 POINTS = [(0, {"eval/accuracy": 0.25}), (1, {"train/loss": 0.5, "reward/mean": 0.1}), (2, {"train/loss": 0.4})]
 LATE = (1, {"eval/accuracy": 0.5})  # an async eval of step 1 that arrives after step 2

@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from miles_control.runtime.usage import ProcessUsage, prefixed
+from miles_control.job.runtime.usage import ProcessUsage, prefixed
 
 
 def test_a_busy_child_counts_in_its_parents_cpu_and_memory():

@@ -1,6 +1,6 @@
 import pytest
 
-from miles_control.tiny_models import save_tiny_model, tiny_model
+from miles_control.testing.tiny_models import save_tiny_model, tiny_model
 from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
 

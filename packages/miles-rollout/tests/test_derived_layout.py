@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_control.tiny_models import tiny_model
+from miles_control.testing.tiny_models import tiny_model
 from miles_rollout.engines.sglang.derived_layout import LayoutError, derive_layout, expected_by_recipes
 from miles_rollout.engines.sglang.layout import expected_checksums
 

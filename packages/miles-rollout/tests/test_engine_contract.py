@@ -4,6 +4,7 @@ import asyncio
 import importlib.util
 import pickle
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,8 +22,8 @@ from miles_rollout import (
     WeightPushError,
     build_engine,
 )
-from miles_rollout.client import EngineClient
 from miles_rollout.config import SGLangEngineConfig
+from miles_rollout.engine_client import EngineClient
 from miles_rollout.protocol import AbortsRequests, LimitsCalls, ReleasesMemory, TimesPushPhases, call_limit
 from miles_sync import (
     TRANSPORTS,
@@ -251,6 +252,25 @@ def test_receive_weights_sets_version_and_fingerprint(engine, tiny_model_dir, tm
     assert engine.weight_version == 2
 
 
+def test_a_push_lands_through_the_one_engine_side_sequence(engine, tiny_model_dir, tmp_path):
+    """`miles_rollout.push.land`: pause → receive → resume, timed by phase, and the one judgement of the push (a
+    measurement only where the engine checks the weights that serve)."""
+    import dataclasses
+
+    from miles_rollout.push import land
+
+    handle = publish(new_weights(tiny_model_dir), 3, tmp_path / "w")
+    landed = land(engine, handle)
+    assert (landed.weight_version, landed.fingerprint, landed.expected) == (3, handle.fingerprint, handle.fingerprint)
+    assert landed.matches and landed.weights_match is (True if engine.verifies_loads else None)
+    assert {"pause", "load", "resume"} <= set(landed.phases) and 0 < landed.paused_s <= landed.end - landed.start
+    assert landed.check_failure is None and landed.rolled_back_to is None
+    # a trainer fingerprint the engine does not hold: judged as a mismatch, never as a match
+    other = dataclasses.replace(publish(new_weights(tiny_model_dir), 4, tmp_path / "w2"), fingerprint="not-this")
+    landed = land(engine, other)
+    assert not landed.matches and landed.weights_match is (False if engine.verifies_loads else None)
+
+
 @pytest.mark.parametrize("transport", ["disk", "tensor"])  # SGLang: servers read the folder / take each bucket
 def test_receive_rejects_incomplete_or_foreign_weights(engine, tiny_model_dir, tmp_path, transport):
     """Refused whole, before any weight is touched (a ValueError that names the engine, not a WeightPushError)."""
@@ -372,7 +392,7 @@ def test_a_push_that_breaks_mid_way_leaves_the_engine_on_its_previous_version(
     where = {"disk": {"dir": str(tmp_path / "w")}, "broadcast": {"timeout_s": 5}, "p2p": {"timeout_s": 5}}
     config = sync_config(transport=transport, bucket_bytes=8192, **where.get(transport, {}))
     sender = build_sender(config, receiver_ranks=engine.receiver_ranks() if needs_receiver_ranks(config) else 1)
-    module = registry._module(transport)
+    module = sys.modules[registry.transport(transport).read.__module__]  # receive() reads through its module
     whole_read = module.read
 
     def read_then_die(*args, **kwargs):

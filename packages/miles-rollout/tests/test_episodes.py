@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from miles_control.tiny_models import save_tiny_model, tiny_model
+from miles_control.testing.tiny_models import save_tiny_model, tiny_model
 from miles_rollout import HFEngineConfig, PromptRecord, RolloutConfig, RolloutManager, build_engine
-from miles_rollout.client import EngineClient
 from miles_rollout.config import MultiTurnConfig, SamplingConfig
+from miles_rollout.engine_client import EngineClient
 from miles_rollout.env import StepResult, ToolCall, environment_factory, parse_tool_call
 from miles_rollout.episode import Episode, check_sample
 from miles_rollout.prompts import PromptEncoder

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_control.recorder import Recorder
-from miles_control.runtime.rollout_worker import RolloutWorker
-from miles_control.store import Store
+from miles_control.job.recorder import Recorder
+from miles_control.job.runtime.rollout_worker import RolloutWorker
+from miles_control.service.store import Store
 from miles_rollout import FinishReason, GenerateRequest, SamplingParams, build_engine
 from miles_rollout.config import SGLangEngineConfig
 from miles_sync import DiskSync, build_sender

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from miles_control.tiny_models import save_tiny_model, tiny_model
+from miles_control.testing.tiny_models import save_tiny_model, tiny_model
 from miles_rollout import HFEngineConfig, build_engine
 from miles_rollout.engines.checks import held_fingerprint
 from miles_sync import DiskSync, build_sender, weight_fingerprint, without_tied_head

@@ -76,7 +76,7 @@ def test_packed_needs_fp8_block_on_the_tensor_transport():
 
 def tiny_checkpoint(folder: Path) -> Path:
     """A random one-layer Qwen2 in bf16 whose projections are whole 128×128 blocks."""
-    from miles_control.tiny_models import save_tiny_model, tiny_model
+    from miles_control.testing.tiny_models import save_tiny_model, tiny_model
 
     config = tiny_model(
         "qwen2", vocab_size=64, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=1,

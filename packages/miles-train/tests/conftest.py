@@ -1,6 +1,6 @@
 import pytest
 
-from miles_control.tiny_models import save_tiny_model, tiny_model
+from miles_control.testing.tiny_models import save_tiny_model, tiny_model
 
 # Beyond the factory's widths; its vocabulary (19) is odd, so TP=2 layouts pad it.
 SHARED_FIELDS = {"eos_token_id": 1, "pad_token_id": 0, "max_position_embeddings": 64}

@@ -47,7 +47,7 @@ def main() -> None:
     record["adapter_saved"] = exported(backend, "adapter")
     record["merged_saved"] = exported(backend, "merge")
     backend.save(ckpt)
-    record["optimizer_params"] = len(backend.optimizer.state)
+    record["optimizer_params"] = len(backend.backend.optimizer.state)
     record["third"] = backend.train_step(contract_batch())
     record["adapter_third"] = exported(backend, "adapter")
     backend.shutdown()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from miles_control.tiny_models import tiny_model
+from miles_control.testing.tiny_models import tiny_model
 from miles_sync import without_tied_head
 from miles_train.config import TrainConfig
 
@@ -92,7 +92,7 @@ def test_settings_the_rebuilt_models_lack_are_refused_naming_the_field(setting, 
 
 
 def test_mistral_is_rebuilt_as_llama_unless_its_sliding_window_is_shorter_than_its_context():
-    from miles_control.tiny_models import tiny_model
+    from miles_control.testing.tiny_models import tiny_model
     from miles_train.backends.hf_family import check_family
 
     v03 = tiny_model("mistral", max_position_embeddings=256)  # sliding_window null (Mistral v0.3)
@@ -239,7 +239,7 @@ def test_a_mixture_of_experts_travels_as_its_checkpoint_and_back(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from miles_control.tiny_models import save_tiny_model
+    from miles_control.testing.tiny_models import save_tiny_model
     from miles_train.backends.fsdp2 import convert
 
     folder = save_tiny_model(tmp_path, tiny_model("qwen3_moe", vocab_size=19), seed=4)

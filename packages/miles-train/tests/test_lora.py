@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_control.testing import free_port
+from miles_control.testing.servers import free_port
 from miles_train import TrainConfig
 
 RANK_SCRIPT = Path(__file__).with_name("lora_rank.py")

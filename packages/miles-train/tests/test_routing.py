@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_control.tiny_models import tiny_model
+from miles_control.testing.tiny_models import tiny_model
 from miles_train.collate import collate
 from miles_train.routing import Agreement, engine_routing, routers
 from miles_train.types import TrainBatch

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from miles_control import tiny_models
+from miles_control.testing import tiny_models
 from miles_train.sft import supervised_finetune
 
 
@@ -54,3 +54,27 @@ def test_a_completion_mask_leaves_tokens_out_of_the_loss():
     for mask in ([0, 0], [1, 2]):  # nothing to learn (a NaN loss), or not a mask
         with pytest.raises(ValueError, match="example 0: a mask of 0s and 1s with at least one 1"):
             supervised_finetune(tiny_model(), [([1], [2, 3], mask)], 1)
+
+
+def test_the_warm_start_trains_the_sft_objective_hf_s_own_loss():
+    """The warm start's loss is the `sft` objective's, aggregated as a job's trainer does: on a batch with masks it
+    equals the mean cross-entropy transformers computes over the same trained tokens."""
+    from miles_train.objectives import build_objective
+    from miles_train.sft import AlgorithmConfig, _sft_loss, as_batch
+
+    model = tiny_model()
+    examples = [([1, 2, 3], [4, 5, 6], [1, 0, 1]), ([2, 3], [6, 7])]
+    loss = _sft_loss(model, build_objective(AlgorithmConfig(name="sft")), as_batch(examples), pad_token_id=0)
+    width = 6
+    ids = torch.zeros((2, width), dtype=torch.long)
+    labels = torch.full((2, width), -100, dtype=torch.long)
+    attention = torch.zeros((2, width), dtype=torch.long)
+    for row, (prompt, completion, *mask) in enumerate(examples):
+        seq = prompt + completion
+        ids[row, : len(seq)], attention[row, : len(seq)] = torch.tensor(seq), 1
+        kept = [t if m else -100 for t, m in zip(completion, mask[0] if mask else [1] * len(completion), strict=True)]
+        labels[row, len(prompt) : len(seq)] = torch.tensor(kept)
+    expected = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+    assert torch.allclose(loss, expected, atol=1e-6), (float(loss), float(expected))
+    loss.backward()  # and it trains: a gradient reaches the weights
+    assert model.model.embed_tokens.weight.grad is not None

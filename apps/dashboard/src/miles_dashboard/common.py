@@ -8,8 +8,8 @@ from datetime import datetime, timezone
 import streamlit as st
 from pydantic import BaseModel
 
-from miles_control.api.schemas import JobPublic
 from miles_control.client import ApiError, MilesClient
+from miles_control.service.api.schemas import JobPublic
 
 ACTIVE = ("queued", "starting", "running")
 STATUS_COLORS = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from miles_control.yaml_safe import compose_yaml, load_yaml
+from miles_control.spec.yaml_safe import compose_yaml, load_yaml
 
 
 class SpecSyntaxError(ValueError):

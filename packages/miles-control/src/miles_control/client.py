@@ -1,6 +1,6 @@
 """The typed client of the Miles REST API (`/api/v1`), used by the `miles jobs` CLI and `examples/api_client.py`.
 
-Every call returns the API's own response models (`miles_control.api.schemas`), so a field the server renames
+Every call returns the API's own response models (`miles_control.service.api.schemas`), so a field the server renames
 breaks type checks and tests here rather than a dashboard at run time. `OPERATIONS` maps each operation of
 the OpenAPI document to the method that calls it; `tests/test_client.py` checks both against the document
 the server publishes (every operation has a method, every method's verb and path are the document's).
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
-from miles_control.api.schemas import (
+from miles_control.service.api.schemas import (
     AttemptPublic,
     CheckpointPublic,
     EventPublic,

@@ -3,7 +3,7 @@
 Exports load lazily, so `miles_rollout.config` stays importable without torch.
 """
 
-from miles_sync.lazy import lazy_exports
+from miles_sync.lazy_exports import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(["DataConfig", "EvalConfig", "HFEngineConfig", "RolloutConfig", "SamplingConfig"], "config"),

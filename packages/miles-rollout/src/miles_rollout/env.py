@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from miles_rollout.plugins import resolve_dotted
+from miles_rollout.plugin_check import resolve_dotted
 from miles_rollout.types import PromptRecord
 
 ToolFormat = Literal["none", "hermes", "xml"]

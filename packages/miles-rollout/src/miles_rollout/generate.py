@@ -23,11 +23,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from miles_rollout.client import EngineClient
 from miles_rollout.config import RolloutConfig
+from miles_rollout.engine_client import EngineClient
 from miles_rollout.env import Action, StepResult, environment_factory, parse_tool_call
 from miles_rollout.episode import Episode
-from miles_rollout.plugins import resolve_named
+from miles_rollout.plugin_check import resolve_named
 from miles_rollout.prompts import PromptEncoder
 from miles_rollout.types import FinishReason, PromptRecord, Sample, SampleStatus, SamplingParams, status_of
 

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from miles_rollout.client import EngineClient
 from miles_rollout.config import RolloutConfig, SamplingConfig
+from miles_rollout.engine_client import EngineClient
 from miles_rollout.episode import check_sample
 from miles_rollout.generate import BUILTIN, make_context, resolve_generate
 from miles_rollout.prompts import PromptEncoder

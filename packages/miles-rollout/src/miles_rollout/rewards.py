@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from miles_rollout.plugins import resolve_named
+from miles_rollout.plugin_check import resolve_named
 from miles_rollout.types import Sample
 
 RewardFn = Callable[[Sample], Any]

@@ -1,10 +1,10 @@
 """miles_sync: the weight contract between trainers and rollout engines.
 
 Senders publish full tensors under HF names and a `weight_version`; receivers load them by handle
-and report a fingerprint that must equal the sender's. Exports load lazily (see `lazy.py`).
+and report a fingerprint that must equal the sender's. Exports load lazily (see `lazy_exports.py`).
 """
 
-from miles_sync.lazy import lazy_exports
+from miles_sync.lazy_exports import lazy_exports
 
 _EXPORTS = {  # exported name → the submodule that defines it
     name: module

@@ -317,7 +317,7 @@ def build_objective(config: AlgorithmConfig) -> Objective:
     field within train.algorithm)."""
     if config.name in BUILTINS:
         return BUILTINS[config.name]()
-    from miles_sync.plugins import resolve_dotted
+    from miles_sync.dotted_paths import resolve_dotted
 
     target: Any = resolve_dotted(config.name)
     if not (isinstance(target, type) and issubclass(target, Objective)):

@@ -1,13 +1,17 @@
-"""The TrainerBackend protocol: what every training backend offers the schedules."""
+"""The trainer's two protocols: `TrainerBackend`, what one trainer rank offers the schedules (implemented once, by
+`backends/trainer.py:Trainer`), and `Backend`, the small part a training framework provides to it (implemented by
+one class per framework: `backends/fsdp2`, `backends/megatron`, `backends/torchtitan`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from miles_train.collate import Collated
 from miles_train.types import TrainBatch
 
 
@@ -58,3 +62,78 @@ class TrainerBackend(Protocol):
     def load(self, directory: str | Path) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Where a backend runs: the job's training settings, this rank of `world_size` (its default process group
+    joined already) and its device."""
+
+    config: Any  # miles_train.config.TrainConfig
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a training framework provides the `Trainer`, which runs the update (advantages, the loss terms,
+    minibatches, metrics), the side models (PPO's critic, a teacher's record) and the weights as pushed around it.
+
+    A backend builds the policy (`model`) and, where the config needs one, the frozen `reference`, both from an HF
+    folder (`hf_config`), over its parallel layout: this rank trains on rows `dp_rank::dp_size` of a batch
+    (tensor-parallel peers share rows) and multiplies its local loss by `loss_scale` so that its gradient reduction
+    gives the global token mean (dp_size where it averages, 1 where it sums)."""
+
+    name: str
+    model: Any
+    reference: Any
+    hf_config: Any
+    dp_rank: int
+    dp_size: int
+    loss_scale: float
+    overflow_skips: int  # optimizer steps skipped for an fp16 overflow since the start
+
+    def logits(self, model: Any, c: Collated) -> torch.Tensor:
+        """[B, T, V] logits of `model` (the policy or the reference) over the full vocabulary."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the (local) loss; with fp16 loss scaling, scaled first."""
+        ...
+
+    def step_optimizer(self) -> float | None:
+        """Reduce gradients, clip to `optimizer.max_grad_norm` (measure only, where it is None), step; the global
+        norm before clipping, or None when the step was skipped (an fp16 overflow)."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def dp_group(self) -> Any:
+        """The process group of this rank's data-parallel peers (None: every rank)."""
+        ...
+
+    def replicas(self, param: torch.Tensor) -> int:
+        """How many ranks hold the local data of `param` (so that global counts take each element once)."""
+        ...
+
+    def export_weights(self, adapter_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective; rank 0 yields the checkpoint's tensors under HF names (a tied head once), or with
+        `adapter_only` (train.lora, sync.lora: adapter) the adapter's matrices under PEFT's save names."""
+        ...
+
+    def export_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What this rank holds under HF names, for a transport that sends from every rank (`p2p`)."""
+        ...
+
+    def save(self, directory: str | Path, step: int) -> None:
+        """The common checkpoint (backends/checkpoint.py): weights, optimizer state, `step`."""
+        ...
+
+    def load(self, directory: str | Path) -> int:
+        """Resume from `save`'s folder (weights, optimizer state); the step it was saved at."""
+        ...
+
+    def shutdown(self) -> None:
+        """Tear the framework's own state down (its parallel groups); the trainer closes the default group."""
+        ...

@@ -1,7 +1,9 @@
 """Supervised fine-tuning of an HF causal LM on (prompt, completion) pairs, in one process.
 
 Used for warm starts: RL needs a policy that succeeds sometimes, not never. A completion may carry a per-token
-mask (an episode: the model's turns trained, the environment's turns context only).
+mask (an episode: the model's turns trained, the environment's turns context only). The loss is the `sft`
+objective's (`train.algorithm: sft`, objectives.py), aggregated over the batch's trained tokens as a job's trainer
+aggregates it (`loss.aggregate`, token_mean): a warm start and an SFT job train the same quantity.
 """
 
 from __future__ import annotations
@@ -11,10 +13,41 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from miles_train.algorithm_config import AlgorithmConfig
+from miles_train.collate import collate, token_logprobs
+from miles_train.loss import LossInputs, aggregate
+from miles_train.objectives import Objective, build_objective
+from miles_train.types import TrainBatch
+
+Example = tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]
+
+
+def as_batch(examples: Sequence[Example]) -> TrainBatch:
+    """Demonstrations as the trainer's batch: each completion is a response, its mask (all 1s by default) the
+    tokens trained; no rewards, no engine logprobs."""
+    return TrainBatch(
+        input_ids=[list(e[0]) + list(e[1]) for e in examples],
+        response_start=[len(e[0]) for e in examples],
+        rollout_logprobs=[[0.0] * len(e[1]) for e in examples],
+        loss_mask=[list(e[2]) if len(e) == 3 else [1] * len(e[1]) for e in examples],
+        rewards=[0.0] * len(examples),
+        group_index=list(range(len(examples))),
+    )
+
+
+def _sft_loss(model: torch.nn.Module, objective: Objective, batch: TrainBatch, pad_token_id: int) -> torch.Tensor:
+    """The `sft` objective's loss of `batch` under `model`: −log π of every trained token, their mean."""
+    c = collate(batch, pad_token_id)
+    logprobs, _ = token_logprobs(model, c)
+    mask = c.loss_mask
+    zeros = torch.zeros_like(logprobs)
+    per_token, _ = objective.policy_loss(LossInputs(logprobs, logprobs.detach(), zeros, mask, 0.0, 0.0))
+    return aggregate(per_token, mask, "token_mean", float(mask.sum()), float((mask.sum(1) > 0).sum()))
+
 
 def supervised_finetune(
     model: torch.nn.Module,
-    examples: Sequence[tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]],
+    examples: Sequence[Example],
     num_steps: int,
     batch_size: int = 64,
     lr: float = 1e-3,
@@ -35,6 +68,7 @@ def supervised_finetune(
                 raise ValueError(f"example {index}: a mask of {len(mask)} for {len(example[1])} completion tokens")
             if not set(mask) <= {0, 1} or 1 not in mask:
                 raise ValueError(f"example {index}: a mask of 0s and 1s with at least one 1, not {mask[:20]}")
+    objective = build_objective(AlgorithmConfig(name="sft"))
     rng = random.Random(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -48,19 +82,7 @@ def supervised_finetune(
             if finished:
                 break
         chosen = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        width = max(len(e[0]) + len(e[1]) for e in chosen)
-        ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        attention = torch.zeros((batch_size, width), dtype=torch.long)
-        for row, example in enumerate(chosen):
-            prompt, completion = example[0], example[1]
-            seq = prompt + completion
-            ids[row, : len(seq)] = torch.tensor(seq)
-            attention[row, : len(seq)] = 1
-            if len(example) == 3:  # masked-out tokens are context, like the prompt
-                completion = [t if m else -100 for t, m in zip(completion, example[2], strict=True)]
-            labels[row, len(prompt) : len(seq)] = torch.tensor(completion)
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        loss = _sft_loss(model, objective, as_batch(chosen), pad_token_id)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

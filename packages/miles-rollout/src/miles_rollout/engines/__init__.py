@@ -47,7 +47,7 @@ def build_engine(
 ) -> RolloutEngine:
     """The engine of `config` serving `model_path`. `packed`: the format the pushes carry packed
     (`sync.quant_wire: packed`); the engine then serves a packed copy of the checkpoint (sglang on a GPU only).
-    `gpu_ids`: each SGLang server's GPUs, from the resource plan (`miles_control.placement`). `lora`: PEFT
+    `gpu_ids`: each SGLang server's GPUs, from the resource plan (`miles_control.job.placement`). `lora`: PEFT
     `LoraConfig` keyword arguments of the adapter the pushes carry (`sync.lora: adapter`): the hf engine applies
     it to the base it holds with PEFT, SGLang serves each pushed version by name."""
     if packed is not None and config.type != "sglang":

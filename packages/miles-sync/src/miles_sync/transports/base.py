@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
 from miles_sync.bucketing import cast_for_wire, iter_buckets, wire_dtype
 from miles_sync.config import SyncBase
 from miles_sync.fingerprint import Fingerprinter
@@ -115,3 +119,21 @@ class BucketedSender:
     def _finish(self, common: dict) -> WeightHandle:
         """The transport's handle: `common` holds the fields every handle has (`WeightHandle`'s)."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Transport:
+    """What the registry knows of one transport: both halves, typed. Each transport module declares one
+    (`TRANSPORT = Transport(...)`), and `miles_sync.transports` reaches every transport only through these.
+
+    `sender` builds the trainer side (a `BucketedSender` subclass: its `needs_receiver_ranks` and
+    `from_every_rank` say how it is built and who publishes); `read(handle)` yields the buckets of a published
+    version in this process; `receive(handle, engine)` loads it into an engine through the capabilities the engine
+    offers; `combine(handles)`, for a transport whose every trainer rank publishes a part, joins the parts into the
+    handle of one version (None: rank 0 publishes the whole version)."""
+
+    name: str
+    sender: type[BucketedSender]
+    read: Callable[..., Iterator[list[NamedTensor]]]
+    receive: Callable[[Any, Any], None]
+    combine: Callable[[list[Any]], WeightHandle] | None = None

@@ -21,6 +21,7 @@ import torch
 
 from miles_sync.config import BroadcastSync
 from miles_sync.protocol import JoinsGroup, LoadsTensors
+from miles_sync.transports.base import Transport
 from miles_sync.transports.group import (
     GroupSender,
     aligned,
@@ -95,9 +96,6 @@ class _Receiver:
             self.broadcast = lambda tensor: torch.distributed.broadcast(tensor, src=0, group=pg)
 
 
-Sender = BroadcastSender
-
-
 def read(handle: BroadcastHandle, rank: int = 1) -> Iterator[list[NamedTensor]]:
     """Join the handle's group as `rank` and receive every bucket in order (consume it to the end)."""
     g = handle.group
@@ -115,3 +113,6 @@ def receive(handle: BroadcastHandle, engine: LoadsTensors) -> None:
         engine.join_group(handle, lambda rank: read(handle, rank))
     else:
         engine.load_tensors(handle, read(handle))
+
+
+TRANSPORT = Transport(NAME, BroadcastSender, read, receive)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from miles_sync.config import DiskSync
 from miles_sync.protocol import LoadsFolder, LoadsTensors
-from miles_sync.transports.base import BucketedSender
+from miles_sync.transports.base import BucketedSender, Transport
 from miles_sync.transports.group import dtype_name, nbytes
 from miles_sync.types import DiskHandle, NamedTensor
 
@@ -146,9 +146,6 @@ def _read_zstd(path: Path, layout: list[list]) -> list[NamedTensor]:
     return out
 
 
-Sender = DiskSender
-
-
 def read(handle: DiskHandle) -> Iterator[list[NamedTensor]]:
     folder = Path(handle.location)
     manifest_path = folder / MANIFEST
@@ -170,3 +167,6 @@ def receive(handle: DiskHandle, engine: LoadsTensors) -> None:
         engine.load_folder(handle, read(handle))
     else:
         engine.load_tensors(handle, read(handle))
+
+
+TRANSPORT = Transport(NAME, DiskSender, read, receive)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from miles_sync.protocol import LoadsTensors
-from miles_sync.transports.base import BucketedSender
+from miles_sync.transports.base import BucketedSender, Transport
 from miles_sync.types import InprocHandle, NamedTensor
 
 NAME = "inproc"
@@ -29,12 +29,12 @@ class InprocSender(BucketedSender):
         return InprocHandle(**common, buckets=self._buckets)
 
 
-Sender = InprocSender
-
-
 def read(handle: InprocHandle) -> Iterator[list[NamedTensor]]:
     yield from handle.buckets
 
 
 def receive(handle: InprocHandle, engine: LoadsTensors) -> None:
     engine.load_tensors(handle, read(handle))
+
+
+TRANSPORT = Transport(NAME, InprocSender, read, receive)

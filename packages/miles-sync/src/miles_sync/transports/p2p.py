@@ -32,6 +32,7 @@ import torch
 from miles_sync.config import P2PSync
 from miles_sync.fingerprint import Fingerprinter, piece_name
 from miles_sync.protocol import LoadsTensors
+from miles_sync.transports.base import Transport
 from miles_sync.transports.group import (
     GroupSender,
     dtype_name,
@@ -246,9 +247,6 @@ class P2PSender(GroupSender):
             group.close()
 
 
-Sender = P2PSender
-
-
 def _pieces(parts: list[SenderPart]) -> dict[str, list[tuple[int, int]]] | None:
     """Row ranges of the tensors that arrive in several pieces (or as a piece short of the whole)."""
     pieces: dict[str, list[tuple[int, int]]] = {}
@@ -352,3 +350,6 @@ def read(handle: P2PHandle, index: int = 0) -> Iterator[list[NamedTensor]]:
 def receive(handle: P2PHandle, engine: LoadsTensors) -> None:
     """The engine's process is one receiving rank; it hands the whole tensors on to its servers."""
     engine.load_tensors(handle, read(handle))
+
+
+TRANSPORT = Transport(NAME, P2PSender, read, receive, combine=combine)

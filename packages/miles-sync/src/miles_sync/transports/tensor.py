@@ -43,7 +43,7 @@ from miles_sync.shared import (
     shm_file,
     use_file_system_sharing,
 )
-from miles_sync.transports.base import BucketedSender
+from miles_sync.transports.base import BucketedSender, Transport
 from miles_sync.types import NamedTensor, TensorHandle
 
 NAME = "tensor"
@@ -160,9 +160,6 @@ class TensorSender(BucketedSender):
         self._ring = [[] for _ in range(keep)]
 
 
-Sender = TensorSender
-
-
 def _fill(header: torch.Tensor, views: list[NamedTensor], bucket: list[NamedTensor]) -> None:
     """Copy a bucket's tensors into their places in its buffer, then mark it complete (or failed) in its header."""
     try:
@@ -220,3 +217,6 @@ def read(handle: TensorHandle) -> Iterator[list[NamedTensor]]:
 def receive(handle: TensorHandle, engine: LoadsTensors) -> None:
     """The engine gets the mapped tensors: shared memory it may hand on to its servers as it is."""
     engine.load_tensors(handle, read(handle))
+
+
+TRANSPORT = Transport(NAME, TensorSender, read, receive)

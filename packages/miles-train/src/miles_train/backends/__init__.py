@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_train.config import BackendConfig, TrainConfig
-from miles_train.protocol import TrainerBackend
+from miles_train.protocol import Backend, TrainerBackend
 
 
 def check_model(config: BackendConfig, hf_config: Any) -> None:
@@ -25,16 +25,24 @@ def check_model(config: BackendConfig, hf_config: Any) -> None:
 def build_backend(
     config: TrainConfig, model_path: str | Path, rank: int = 0, world_size: int = 1, init_method: str | None = None
 ) -> TrainerBackend:
-    if config.backend.type == "fsdp2":
+    """One rank of a trainer: the `Trainer` (backends/trainer.py) over the framework `config.backend.type` names."""
+    from miles_train.backends.trainer import Trainer
+
+    return Trainer(config, model_path, backend_class(config.backend.type), rank, world_size, init_method)
+
+
+def backend_class(backend_type: str) -> type[Backend]:
+    """The class of the framework `backend_type` names (each a `miles_train.protocol.Backend`)."""
+    if backend_type == "fsdp2":
         from miles_train.backends.fsdp2.backend import FSDP2Backend
 
-        return FSDP2Backend(config, model_path, rank=rank, world_size=world_size, init_method=init_method)
-    if config.backend.type == "megatron":
+        return FSDP2Backend
+    if backend_type == "megatron":
         from miles_train.backends.megatron.backend import MegatronBackend
 
-        return MegatronBackend(config, model_path, rank=rank, world_size=world_size, init_method=init_method)
-    if config.backend.type == "torchtitan":
+        return MegatronBackend
+    if backend_type == "torchtitan":
         from miles_train.backends.torchtitan.backend import TorchtitanBackend
 
-        return TorchtitanBackend(config, model_path, rank=rank, world_size=world_size, init_method=init_method)
-    raise ValueError(f"unknown trainer backend {config.backend.type!r}")
+        return TorchtitanBackend
+    raise ValueError(f"unknown trainer backend {backend_type!r}")

@@ -36,8 +36,8 @@ from miles_rollout.engines.sglang.layout import FAMILIES
 from miles_rollout.engines.sglang.pause import PauseControl
 from miles_rollout.engines.sglang.recovery import EngineRestart, recover
 from miles_rollout.engines.sglang.router import Router, Slot
-from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer, use_cpu
-from miles_rollout.engines.sglang.weights import HeldCopy, WeightLoader, WeightMismatchError, folder_tensors
+from miles_rollout.engines.sglang.server import EngineStartError, SGLangServer, folder_tensors, use_cpu
+from miles_rollout.engines.sglang.weights import HeldCopy, WeightLoader, WeightMismatchError
 from miles_rollout.engines.versions import WeightVersions
 from miles_rollout.protocol import WeightPushError, release_frames
 from miles_rollout.types import GenerateRequest, GenerateResult
@@ -63,7 +63,7 @@ class SGLangEngine:
         """`packed`: pushes carry the linear weights packed in this format (`sync.quant_wire: packed`); the servers
         then start from a packed copy of the checkpoint written under the log folder (attached servers must
         already serve one: `miles_sync.formats.packed.write_packed_checkpoint`). GPU only. `gpu_ids`: each
-        server's GPUs (the resource plan's, `miles_control.placement`); None leaves the choice to SGLang.
+        server's GPUs (the resource plan's, `miles_control.job.placement`); None leaves the choice to SGLang.
         `lora`: PEFT `LoraConfig` keyword arguments of the adapter the pushes carry (`sync.lora: adapter`); the
         servers start with SGLang's LoRA support (attached servers must already have it) and serve each pushed
         version by name (`adapters.py`)."""

@@ -1,4 +1,5 @@
-"""Launch and supervise one SGLang HTTP server process: health-checked start-up, clean shutdown."""
+"""Launch and supervise one SGLang HTTP server process: health-checked start-up, clean shutdown; the tensors of
+the checkpoint folder a server starts from (`folder_tensors`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import time
 from pathlib import Path
 
 import httpx
+from safetensors.torch import load_file
 
 from miles_rollout.config import SGLangEngineConfig, tp_size
+from miles_sync import NamedTensor
 
 SHIM_ENV = "MILES_SGLANG_CPU_SHIM"
 PORT_RETRIES = 3  # starts again on a new port when another process took the chosen one first
@@ -218,3 +221,11 @@ class SGLangServer:
         except ProcessLookupError:
             pass
         self.process.wait(timeout=10)
+
+
+def folder_tensors(folder: Path) -> list[NamedTensor]:
+    """Every tensor of a checkpoint folder's safetensors files."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise EngineStartError(f"sglang engine: no *.safetensors weights in {folder}")
+    return [pair for f in files for pair in load_file(str(f)).items()]

@@ -18,11 +18,9 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
-from pathlib import Path
 
 import httpx
 import torch
-from safetensors.torch import load_file
 
 from miles_rollout.engines.checks import check_names, check_push, held_fingerprint
 from miles_rollout.engines.sglang.calls import ServerCalls, on_admitted, tp_size
@@ -31,7 +29,6 @@ from miles_rollout.engines.sglang.group import group_ranks, receive_through_grou
 from miles_rollout.engines.sglang.layout import expected_checksums
 from miles_rollout.engines.sglang.pause import PauseControl
 from miles_rollout.engines.sglang.router import Router, Slot
-from miles_rollout.engines.sglang.server import EngineStartError
 from miles_rollout.engines.sglang.stream import BucketStream
 from miles_rollout.engines.versions import WeightVersions
 from miles_sync import BroadcastHandle, DiskHandle, NamedTensor, WeightHandle, receive, weight_fingerprint
@@ -43,14 +40,6 @@ HeldCopy = tuple[list[NamedTensor], str | None, dict | None]
 
 class WeightMismatchError(RuntimeError):
     """An engine holds other weights than the ones published."""
-
-
-def folder_tensors(folder: Path) -> list[NamedTensor]:
-    """Every tensor of a checkpoint folder's safetensors files."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise EngineStartError(f"sglang engine: no *.safetensors weights in {folder}")
-    return [pair for f in files for pair in load_file(str(f)).items()]
 
 
 class WeightLoader:

@@ -14,25 +14,32 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from miles_train import lora
 from miles_train.backends.checkpoint import TrainerState
-from miles_train.backends.common import FullStateBackend, full_tensor
+from miles_train.backends.common import adamw, export_full, full_state, full_tensor, load_full, save_full
 from miles_train.backends.fsdp2 import convert
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
+from miles_train.backends.weights_as import dtensor_replicas
 from miles_train.collate import Collated
+from miles_train.protocol import Rank
 
 log = logging.getLogger(__name__)
 
 
-class FSDP2Backend(FullStateBackend):
-    """One data-parallel rank of an HF model sharded with FSDP2; gradients are averaged by FSDP2."""
+class FSDP2Backend:
+    """One data-parallel rank of an HF model sharded with FSDP2 (a `miles_train.protocol.Backend`); gradients are
+    averaged by FSDP2."""
 
     name = "fsdp2"
 
-    def _set_up(self, model_path: str | Path) -> None:
+    def __init__(self, where: Rank, model_path: str | Path) -> None:
+        self.config, self.rank, self.world_size, self.device = where.config, where.rank, where.world_size, where.device
+        self.dp_rank, self.dp_size = self.rank, self.world_size
+        self.overflow_skips = 0
+        self.reference: torch.nn.Module | None = None
         self.loss_scale = float(self.world_size)  # FSDP2 averages over ranks: × world_size gives the global token mean
         self.model_path = str(model_path)
         self.model = self._load(model_path, adapter=self.config.lora is not None)
         self.hf_config = self.model.config
-        self.optimizer = self._adamw()
+        self.optimizer = adamw(self.model, self.config)
         if self.config.needs_reference and self.config.reference_is_base:  # LoRA: the base under the adapter
             self.reference = lora.AdapterOff(self.model)
         elif self.config.needs_reference:  # the KL reference (the checkpoint) or distill's teacher
@@ -50,13 +57,35 @@ class FSDP2Backend(FullStateBackend):
             model = lora.wrap(model, self.config.lora.peft_kwargs(), model_path)
         return apply_fsdp(model, self.config.precision)
 
-    def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
+    # ---- the protocol -------------------------------------------------------------------------
+    def logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
         return model(input_ids=c.input_ids, attention_mask=c.attention_mask).logits
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
-    def _step_optimizer(self) -> float | None:
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def dp_group(self) -> None:
+        return None  # every rank is a data-parallel peer
+
+    def replicas(self, param: torch.Tensor) -> int:
+        return dtensor_replicas(param, self.world_size)
+
+    def export_weights(self, adapter_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        return export_full(self, adapter_only)
+
+    def save(self, directory: str | Path, step: int) -> None:
+        save_full(self, directory, TrainerState(self.name, step, self.world_size))
+
+    def load(self, directory: str | Path) -> int:
+        return load_full(self, directory, TrainerState(self.name, 0, self.world_size))
+
+    def shutdown(self) -> None:
+        """FSDP2 keeps no groups of its own."""
+
+    def step_optimizer(self) -> float | None:
         norm = None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients
@@ -75,17 +104,18 @@ class FSDP2Backend(FullStateBackend):
             return None  # the norm of overflowed gradients is inf or NaN: not a measurement
         return norm
 
-    def _hf_state(self) -> dict[str, torch.Tensor]:
+    # ---- full state (backends/common.py) -------------------------------------------------------
+    def hf_state(self) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors under HF names on rank 0 (collective); with an adapter, the merged weights."""
-        state = self._full_state()
+        state = full_state(self.model)
         if self.config.lora is not None and self.rank == 0:
             state = lora.merged(state, lora.scaling_of(self.config.lora.peft_kwargs()))
         return dict(convert.to_hf(lora.base_model(self.model), state)) if self.rank == 0 else {}
 
-    def _adapter_params(self) -> dict[str, torch.nn.Parameter]:
+    def adapter_params(self) -> dict[str, torch.nn.Parameter]:
         return lora.adapter_params(self.model)
 
-    def _from_hf(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def from_hf(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return convert.from_hf(lora.base_model(self.model), hf_state)
 
     def export_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -105,6 +135,3 @@ class FSDP2Backend(FullStateBackend):
                 "as; use sync.transport disk, shm or broadcast"
             )
         yield from convert.to_hf(self.model, state)
-
-    def _state(self) -> TrainerState:
-        return TrainerState(self.name, self.step, self.world_size)

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from miles_train.backends.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from miles_train.backends.common import Backend
 from miles_train.backends.hf_family import load_checked_config
 from miles_train.backends.hf_io import read_hf_state
 from miles_train.backends.megatron import convert, cpu, parallelize
 from miles_train.collate import Collated
+from miles_train.protocol import Rank
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,22 @@ log = logging.getLogger(__name__)
 UNCLIPPED = 1e30
 
 
-class MegatronBackend(Backend):
+class MegatronBackend:
+    """One rank of a megatron-core GPTModel: tensor parallel × data parallel, experts over expert-parallel ranks (a
+    `miles_train.protocol.Backend`)."""
+
     name = "megatron"
 
-    def _set_up(self, model_path: str | Path) -> None:
+    def __init__(self, where: Rank, model_path: str | Path) -> None:
+        self.config, self.rank, self.world_size, self.device = where.config, where.rank, where.world_size, where.device
+        self.overflow_skips = 0
+        self.reference: torch.nn.Module | None = None
         self.tp = self.config.backend.tensor_parallel_size
         self.ep = self.config.backend.expert_parallel_size
         self.hf_config = load_checked_config(
             model_path, lambda hf_config, tp: convert.check_supported(hf_config, tp, self.ep), self.tp
         )
+        self.pad_token_id = self.hf_config.pad_token_id or 0
         cpu.apply()
         layout = parallelize.initialize(self.tp, self.ep)
         self.tp_rank, self.tp_group = layout.tp_rank, layout.tp_group
@@ -105,8 +112,8 @@ class MegatronBackend(Backend):
                 use_gloo_process_groups=False,
             )
 
-    # ---- TrainerBase hooks ---------------------------------------------------------------------
-    def _logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
+    # ---- the protocol -------------------------------------------------------------------------
+    def logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
         ids = c.input_ids
         rows, seq = ids.shape
         if self.ep > 1:
@@ -125,17 +132,17 @@ class MegatronBackend(Backend):
         logits = model(ids, position_ids, causal, runtime_gather_output=True)
         return logits[:rows, : c.input_ids.shape[1], : self.hf_config.vocab_size]
 
-    def _zero_grad(self) -> None:
+    def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         if self.config.precision == "fp16":  # the mixed-precision optimizer's loss scale; it unscales in step()
             with cpu.on_cpu():
                 loss = self.optimizer.scale_loss(loss)
         loss.backward()
 
-    def _step_optimizer(self) -> float | None:
+    def step_optimizer(self) -> float | None:
         from megatron.core.distributed import finalize_model_grads
 
         # Megatron's own gradient finalisation: the data-parallel reduction, and the sum over the TP group of
@@ -151,10 +158,10 @@ class MegatronBackend(Backend):
             return None
         return float(grad_norm) if grad_norm is not None else None
 
-    def _dp_group(self):
+    def dp_group(self):
         return parallelize.data_parallel_group()
 
-    def _replicas(self, param: torch.Tensor) -> int:
+    def replicas(self, param: torch.Tensor) -> int:
         """Data-parallel ranks all hold every parameter but an expert's (`allreduce` False: one rank of each
         expert-parallel group); TP ranks split some (`tensor_model_parallel`)."""
         if not getattr(param, "allreduce", True):
@@ -165,9 +172,11 @@ class MegatronBackend(Backend):
     def _local_params(self) -> dict[str, torch.Tensor]:
         return {parallelize.local_name(name): p for name, p in self.model.named_parameters()}
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """All-gather each parameter over the tensor-parallel group (an expert's over the expert-parallel group, under
-        its index in the whole layer), convert to HF on global rank 0."""
+        its index in the whole layer), convert to HF on global rank 0. (No adapter: the job spec refuses train.lora
+        on megatron.)"""
+        assert not adapter_only, "megatron: train.lora is refused by the spec"
         shards: dict[str, list[torch.Tensor]] = {}
         local_experts = convert.num_experts(self.hf_config) // self.ep
         for name, param in self._local_params().items():
@@ -189,24 +198,27 @@ class MegatronBackend(Backend):
         if self.rank == 0:
             yield from convert.megatron_to_hf(shards, self.hf_config)
 
-    def _state(self) -> TrainerState:
-        return TrainerState(self.name, self.step, self.world_size, self.tp, expert_parallel_size=self.ep)
+    def export_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Its layout is not HF rows: rank 0 sends every tensor, gathered as `export_weights` does."""
+        return self.export_weights()
 
-    def save(self, directory: str | Path) -> None:
+    def _state(self, step: int) -> TrainerState:
+        return TrainerState(self.name, step, self.world_size, self.tp, expert_parallel_size=self.ep)
+
+    def save(self, directory: str | Path, step: int) -> None:
         """The common checkpoint (backends/checkpoint.py) with each rank's optimizer state (Megatron's layout:
         loadable on the same world_size and tensor_parallel_size)."""
         weights = {name: t.contiguous() for name, t in self.export_weights()}
         with cpu.on_cpu():
             optimizer_state = self.optimizer.state_dict()
         save_checkpoint(
-            directory, self.rank, self.hf_config, weights, self._state(), optimizer_state,
+            directory, self.rank, self.hf_config, weights, self._state(step), optimizer_state,
             per_rank_optimizer=True, optimizer_io=cpu.on_cpu,
         )  # fmt: skip
-        self._save_side_models(directory)
 
-    def load(self, directory: str | Path) -> None:
+    def load(self, directory: str | Path) -> int:
         ckpt = load_checkpoint(
-            directory, self._state(), ("world_size", "tensor_parallel_size", "expert_parallel_size"), self.rank,
+            directory, self._state(0), ("world_size", "tensor_parallel_size", "expert_parallel_size"), self.rank,
             per_rank_optimizer=True, optimizer_io=cpu.on_cpu,
         )  # fmt: skip
         parallelize.assign(
@@ -215,9 +227,7 @@ class MegatronBackend(Backend):
         )
         with cpu.on_cpu():
             self.optimizer.load_state_dict(ckpt.optimizer_state)
-        self.step = ckpt.state.step
-        self._load_side_models(directory)
+        return ckpt.state.step
 
     def shutdown(self) -> None:
         parallelize.destroy()
-        super().shutdown()

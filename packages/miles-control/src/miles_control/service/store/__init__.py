@@ -1,0 +1,51 @@
+"""The job store: SQLAlchemy models, Alembic migrations and a small API over them."""
+
+from miles_control.service.store.models import (
+    ApiToken,
+    Attempt,
+    Base,
+    Checkpoint,
+    Event,
+    GenerationSample,
+    Job,
+    JobStatus,
+    Metric,
+    Report,
+    ScheduleChange,
+    Span,
+    Step,
+)
+from miles_control.service.store.store import (
+    ACTIVE,
+    FINAL,
+    TRANSITIONS,
+    AttemptConflict,
+    InvalidTransition,
+    JobNotFound,
+    Store,
+    StoreError,
+)
+
+__all__ = [
+    "ACTIVE",
+    "AttemptConflict",
+    "FINAL",
+    "TRANSITIONS",
+    "ApiToken",
+    "Attempt",
+    "Base",
+    "Checkpoint",
+    "Event",
+    "GenerationSample",
+    "InvalidTransition",
+    "Job",
+    "JobNotFound",
+    "JobStatus",
+    "Metric",
+    "Report",
+    "ScheduleChange",
+    "Span",
+    "Step",
+    "StoreError",
+    "Store",
+]
