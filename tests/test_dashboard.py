@@ -1,5 +1,6 @@
 """The dashboard's pages (streamlit AppTest) against a real `miles serve` (launcher off) on a seeded store."""
 
+import json
 import re
 import time
 from pathlib import Path
@@ -108,9 +109,11 @@ def test_jobs_page_lists_jobs_and_places_api_errors_on_yaml_lines(app, dashboard
     before = dashboard_api["store"].jobs()[1]
     at.text_area(key="spec_yaml").set_value("name: typo\nschedule:\n  type: fully_async\n  max_stalenes: 2\n").run()
     at.button(key="validate").click().run()
-    assert "line 4 · `schedule.max_stalenes`: Extra inputs are not permitted; did you mean 'max_staleness'?" in texts(
-        at
-    )
+    # pydantic's "Extra inputs are not permitted" said as what it means in a spec, with the API's suggestion
+    assert (
+        "line 4 · `schedule.max_stalenes`: not a field of this section (a typo, or a field of another section or "
+        "kind); did you mean 'max_staleness'?"
+    ) in texts(at)
     at.text_area(key="spec_yaml").set_value("name: fine\nschedule:\n  type: fully_async\n  max_staleness: 2\n").run()
     at.button(key="validate").click().run()
     assert any("Valid: fine would run 300 steps on the fully_async schedule" in s.value for s in at.success)
@@ -195,7 +198,18 @@ def test_metric_charts_people_can_read(app, dashboard_api):
     at.session_state["job_id"] = job
     at.run()
     assert not at.exception
-    grid, timeline, _, throughput, sync = at.get("vega_lite_chart")[:5]
+    charts = at.get("vega_lite_chart")
+    metric = [c for c in charts if '"title": "' in c.proto.spec and '"name": "pick"' in c.proto.spec]
+    assert len(metric) >= 2, "one chart per metric"
+    for chart in metric:  # each sized by its container, with its own x axis and a unit on its y axis
+        spec = json.loads(chart.proto.spec)
+        assert spec.get("width") == "container", spec.get("width")
+        y_titles = [layer["encoding"]["y"].get("title") for layer in spec["layer"] if "y" in layer.get("encoding", {})]
+        assert y_titles[0], f"no unit on {spec.get('title')}"
+    grid = next(c for c in metric if '"title": "rollout/reward_mean"' in c.proto.spec)
+    timeline = next(c for c in charts if "seconds since the first span shown" in c.proto.spec)
+    throughput = next(c for c in charts if "tokens/s" in c.proto.spec and '"name": "pick"' not in c.proto.spec)
+    sync = next(c for c in charts if "weight update latency (ms)" in c.proto.spec)
     for chart in (grid, throughput, sync):  # the change, labelled, on every chart against steps
         assert any("update_weights_interval=2 (step 3)" in f.to_string() for f in chart_data(chart)), chart.proto.spec
     starts = [f for f in chart_data(timeline) if "start_s" in f.columns and "worker" not in f.columns]
@@ -206,7 +220,7 @@ def test_metric_charts_people_can_read(app, dashboard_api):
     at.radio(key="chart_axis").set_value("wall time")
     at.slider(key=f"chart_steps-{job}").set_value((2, 4)).run()
     assert not at.exception
-    grid = at.get("vega_lite_chart")[0]
+    grid = next(c for c in at.get("vega_lite_chart") if '"title": "rollout/reward_mean"' in c.proto.spec)
     assert '"type": "log"' in grid.proto.spec and "wall time since the first point (s)" in grid.proto.spec
     [data] = [f for f in chart_data(grid) if "kind" in f.columns]
     reward = data[(data["name"] == "rollout/reward_mean")]
@@ -230,7 +244,8 @@ def test_samples_are_tied_to_steps(app, dashboard_api):
     at = app.run()
     at.switch_page("views/job.py")
     at.session_state["job_id"] = job
-    at.session_state[f"grid-{job}"] = {"selection": {"pick": [{"step": 3}]}}  # what a click on a step-3 point sets
+    # what a click on a step-3 point of the reward chart sets
+    at.session_state[f"grid-{job}-rollout/reward_mean"] = {"selection": {"pick": [{"step": 3}]}}
     at.run()
     assert not at.exception
     assert "Step 3" in [h.value for h in at.subheader]
@@ -357,11 +372,18 @@ def test_compare_page_puts_runs_side_by_side(app, dashboard_api):
     [diff] = [d.value for d in at.dataframe if "field" in d.value.columns]
     assert "schedule.type" in diff["field"].tolist() and not at.warning  # the schedule alone differs
     assert all(f.startswith("schedule.") for f in diff["field"])
-    at.multiselect(key="cmp_metrics").set_value(["train/loss"]).run()
+    runs = f"cmp_metrics-{dashboard_api['done']}-{dashboard_api['running']}"
+    at.multiselect(key=runs).set_value(["train/loss"]).run()
     at.radio(key="cmp_axis").set_value("step").run()
     assert not at.exception
     [chart] = [c for c in at.get("vega_lite_chart") if "train/loss" in str(c.proto.spec)]
     assert '"title": "step"' in chart.proto.spec
+    # runs are named as their jobs are (the schedule has its own column)
+    assert set(summary["run"]) == {f"#{dashboard_api['done']} sync-run", f"#{dashboard_api['running']} async-run"}
+    # another choice of runs keeps the metric picked (it is on offer for them too)
+    at.multiselect(key="cmp").set_value([dashboard_api["running"], dashboard_api["done"]]).run()
+    again = f"cmp_metrics-{dashboard_api['running']}-{dashboard_api['done']}"
+    assert at.multiselect(key=again).value == ["train/loss"]
 
 
 def test_compare_warns_when_runs_differ_in_more_than_the_schedule(app, dashboard_api):
@@ -388,7 +410,7 @@ def test_reports_page_shows_a_bench_report_from_the_store(app, dashboard_api, tm
     from miles_control.service.reports import save_report
 
     markdown = "# Schedule bench: quick\n\n## Throughput\n\n| schedule | steps |\n|---|---|\n| sync | 5 |\n\n"
-    markdown += "![reward against step](reward_vs_step.png)\n\nGenerated now.\n"
+    markdown += "A plot inline: ![reward against step](reward_vs_step.png) and after it.\n\nGenerated now.\n"
     (report_id,) = save_report("schedules", tmp_path, markdown, [dashboard_api["done"]], [dashboard_api["store"].url])
     at = app.run()
     at.switch_page("views/reports.py").run()
@@ -396,7 +418,9 @@ def test_reports_page_shows_a_bench_report_from_the_store(app, dashboard_api, tm
     assert at.selectbox(key="report_id").value == report_id
     body = texts(at)
     assert "Schedule bench: quick" in body and "| sync | 5 |" in body and "Generated now." in body
-    assert f"Its runs: #{dashboard_api['done']}" in body
+    done = dashboard_api["done"]
+    assert f"Its runs: [#{done}](job?job={done})" in body  # a link to the run's page
+    assert "A plot inline:" in body and "and after it." in body  # the text around an inline image stays
     [image] = [e for e in at.main if type(e).__name__ == "Image"]  # the plot, served by the API
     assert "reward against step" in str(image.proto)
     at.segmented_control(key="report_kind").set_value("precision").run()
@@ -414,8 +438,12 @@ def test_every_visitor_signs_in_and_no_token_reaches_a_browser(dashboard_api, mo
     assert any("Sign in with your token" in i.value for i in at.info)
     token_field = next(t for t in at.text_input if t.label == "Token")
     assert token_field.value == "" and at.session_state["token"] == ""
+    token_field.input("miles_not-a-token")
+    next(b for b in at.button if b.label == "Connect").click().run()
+    assert at.session_state["token"] == "" and any("Cannot use the Miles API" in e.value for e in at.error)
+    token_field = next(t for t in at.text_input if t.label == "Token")  # the form stays, saying why
     token_field.input(dashboard_api["token"])
-    at.button(key="connect").click().run()
+    next(b for b in at.button if b.label == "Connect").click().run()
     assert not at.info and at.session_state["token"] == dashboard_api["token"]  # signed in
 
 

@@ -70,9 +70,10 @@ def wait_text(page, pattern: str, timeout_s: float = 240) -> None:
 
 
 def sign_in(page, token: str) -> None:
-    """What every visitor does: the dashboard holds no token of its own."""
+    """What every visitor does: the dashboard holds no token of its own. The sign-in lasts the browser session."""
     page.get_by_label("Token").fill(token)
     page.get_by_role("button", name="Connect").click()
+    page.get_by_label("Token").wait_for(state="detached")
 
 
 def test_launch_watch_timeline_and_tune_in_a_browser(stack):
@@ -152,8 +153,7 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     page.get_by_role("button", name="Confirm").click()
     wait_text(page, "it applies at the job's next step")
     for _ in range(60):  # the change applies at the job's next step; the page shows it once reloaded
-        page.reload()  # a new browser session: sign in again
-        sign_in(page, stack["token"])
+        page.reload()  # a new Streamlit session, still signed in (the browser session's cookie)
         wait_text(page, "tune-me")
         if page.get_by_text(re.compile(r"applied.*before step \d+")).count():
             break
@@ -200,3 +200,159 @@ def test_pages_refresh_by_themselves_and_ride_out_an_api_outage(stack):
     page.get_by_text(re.compile("Disconnected — retrying")).first.wait_for(state="detached", timeout=60_000)
     wait_text(page, r"1 job\(s\); 0 active", timeout_s=30)
     shot(page, "9-reconnected")
+
+
+# ---- the third version: every page fits the screen, follows the job, rides out the API, keeps the sign-in --------
+sys.path.insert(0, str(Path(__file__).parent))
+from test_dashboard import seed_run  # noqa: E402
+
+from miles_control.job.status import JobStatus  # noqa: E402
+
+SIZES = {"wide": {"width": 1280, "height": 800}, "narrow": {"width": 390, "height": 844}}
+PAGES = {"jobs": ("", "^Jobs$"), "job": ("job?job={job}", r"^#\d+ "), "tune": ("tune", "^Tune a running job$"),
+         "compare": ("compare", "^Compare runs$"), "reports": ("reports", "^Bench reports$")}  # fmt: skip
+OVERFLOW = """() => {
+  const problems = [];
+  const doc = document.documentElement;
+  if (doc.scrollWidth > doc.clientWidth + 1) problems.push(`the page scrolls sideways: ${doc.scrollWidth} > ${doc.clientWidth}`);
+  const main = document.querySelector('[data-testid="stMainBlockContainer"]') || document.body;
+  const box = main.getBoundingClientRect();
+  for (const el of document.querySelectorAll('[data-testid="stVegaLiteChart"], [data-testid="stDataFrame"], [data-testid="stTable"]')) {
+    if (!el.offsetParent) continue;  // in a hidden tab
+    const r = el.getBoundingClientRect();
+    const name = el.getAttribute('data-testid');
+    if (r.left < box.left - 1 || r.right > box.right + 1) problems.push(`${name} spans ${r.left}-${r.right}, the page ${box.left}-${box.right}`);
+    for (const inner of el.querySelectorAll('canvas.marks, svg.marks')) {
+      const w = inner.getBoundingClientRect().width;
+      if (w > r.width + 2) problems.push(`${name}: its drawing is ${w} px wide in ${r.width}`);
+    }
+  }
+  return problems;
+}"""
+
+
+def no_traceback(page) -> None:
+    assert not page.locator('[data-testid="stException"]').count(), page.inner_text("body")[:3000]
+    assert "Traceback (most recent call last)" not in page.inner_text("body")
+
+
+def seeded(store) -> dict:
+    """Two finished runs with metrics, spans and samples, straight in the store the API reads."""
+    return {"done": seed_run(store, "wide-run", "sync", 5, JobStatus.SUCCEEDED),
+            "other": seed_run(store, "other-run", "fully_async", 5, JobStatus.SUCCEEDED)}  # fmt: skip
+
+
+def test_every_page_fits_a_wide_and_a_narrow_screen(stack):
+    """At 1,280 × 800 and at 390 × 844 no chart or table overflows its container, the page never scrolls sideways,
+    the sign-in form is in view, and each page's primary action is reachable."""
+    jobs = seeded(stack["store"])
+    browser = stack["page"].context.browser
+    for size, viewport in SIZES.items():
+        context = browser.new_context(viewport=viewport)
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(stack["base"])
+        form = page.get_by_label("Token")
+        form.wait_for()
+        box = form.bounding_box()
+        assert box and box["x"] >= 0 and box["x"] + box["width"] <= viewport["width"], box  # not in a hidden sidebar
+        sign_in(page, stack["token"])
+        for name, (path, title) in PAGES.items():
+            page.goto(f"{stack['base']}/{path.format(job=jobs['done'])}")
+            wait_text(page, title, timeout_s=60)
+            if name == "job":
+                page.locator('[data-testid="stVegaLiteChart"]').first.wait_for()
+            if name == "compare":
+                wait_text(page, "Time breakdown", timeout_s=60)
+            time.sleep(1.5)  # charts size themselves to their container after the first draw
+            problems = page.evaluate(OVERFLOW)
+            assert not problems, f"{size} {name}: {problems}"
+            no_traceback(page)
+            page.screenshot(path=str(SHOTS / f"{size}-{name}.png"), full_page=size == "narrow")
+            if name == "jobs":  # the primary action, in reach
+                launch = page.get_by_role("button", name="Launch")
+                launch.scroll_into_view_if_needed()
+                box = launch.bounding_box()
+                assert box and box["x"] + box["width"] <= viewport["width"], box
+            if name == "job":
+                resume = page.get_by_role("button", name="Resume")
+                assert not resume.count()  # a succeeded job: nothing to resume
+                page.get_by_role("tab", name="Samples").click()
+                wait_text(page, r"sample\(s\) of this step stored")
+        context.close()
+
+
+def test_every_page_says_the_api_is_down_and_never_shows_a_traceback(stack):
+    """With the API stopped, every page (opened in the app, and opened by its address in a new session) shows the
+    one banner and no traceback."""
+    page, api = stack["page"], stack["api"]
+    jobs = seeded(stack["store"])
+    page.goto(stack["base"])
+    sign_in(page, stack["token"])
+    wait_text(page, r"job\(s\)")
+    api.stop()
+    try:
+        wait_text(page, "Disconnected — retrying", timeout_s=60)
+        for name, (path, _) in PAGES.items():
+            page.goto(f"{stack['base']}/{path.format(job=jobs['done'])}")  # a new session: nothing remembered
+            wait_text(page, "Disconnected — retrying", timeout_s=60)
+            time.sleep(1)
+            no_traceback(page)
+            if name == "compare":
+                shot(page, "8b-compare-disconnected")
+    finally:
+        api.start()
+    page.get_by_text(re.compile("Disconnected — retrying")).first.wait_for(state="detached", timeout=60_000)
+    no_traceback(page)
+
+
+def test_a_reload_a_new_tab_and_a_direct_link_stay_signed_in(stack):
+    context = stack["page"].context.browser.new_context(viewport=SIZES["wide"])  # one browser session, two tabs
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    jobs = seeded(stack["store"])
+    page.goto(stack["base"])
+    sign_in(page, stack["token"])
+    wait_text(page, "^Jobs$")
+    page.reload()
+    wait_text(page, "^Jobs$")
+    assert not page.get_by_label("Token").count()
+    tab = page.context.new_page()  # a new tab, straight to a job
+    tab.goto(f"{stack['base']}/job?job={jobs['other']}")
+    wait_text(tab, f"#{jobs['other']} other-run", timeout_s=60)
+    assert "miles_" not in tab.url  # the token never travels in an address
+    tab.get_by_text("Connection").first.click()
+    tab.get_by_role("button", name="Sign out").click()
+    tab.get_by_label("Token").wait_for()
+    tab.reload()
+    tab.get_by_label("Token").wait_for()  # signed out: the cookie is gone too
+    context.close()
+
+
+def test_the_job_page_follows_a_cancel_and_a_resume_to_the_end(stack):
+    """Cancel (confirmed) and Resume from the page; the page follows the job to succeeded with no reload, and the
+    time it ran counts both attempts."""
+    page = stack["page"]
+    spec = yaml.safe_load((ROOT / "examples" / "quick.yaml").read_text())
+    spec.update(name="follow-me")
+    spec["schedule"].update(num_steps=12, checkpoint_every=2)
+    headers = {"Authorization": f"Bearer {stack['token']}"}
+    job = httpx.post(f"{stack['api'].url}/api/v1/jobs", json={"spec": spec}, headers=headers).json()["id"]
+    page.goto(stack["base"])
+    sign_in(page, stack["token"])
+    page.goto(f"{stack['base']}/job?job={job}")
+    wait_text(page, r"running · .*step [2-9]/12", timeout_s=240)  # past its first checkpoint
+    page.get_by_role("button", name="Cancel…").click()
+    page.get_by_role("button", name="Cancel the job").click()  # the confirmation
+    wait_text(page, r"follow-me · cancelled", timeout_s=240)  # the header, followed without a reload
+    page.get_by_role("button", name="Resume").wait_for()
+    time.sleep(1)
+    shot(page, "10-job-cancelled")
+    page.get_by_role("button", name="Resume").click()
+    wait_text(page, r"follow-me · (queued|starting|running) · ", timeout_s=60)
+    wait_text(page, r"follow-me · succeeded · .*step 12/12", timeout_s=400)  # no reload: the page followed the job
+    wait_text(page, "over 2 attempts")
+    page.get_by_role("button", name="Cancel…").wait_for(state="detached", timeout=30_000)  # a finished job's page
+    assert not page.get_by_role("button", name="Resume").count()
+    time.sleep(1)  # the redraw done (elements of the previous draw fade out)
+    shot(page, "11-job-resumed-succeeded")

@@ -72,3 +72,21 @@ def test_jobs_commands_against_a_server(api):
         printed = miles(*args, env={**env, "COLUMNS": "200"})
         assert printed.returncode == 0 and "\x1b" not in printed.stdout and "\x07" not in printed.stdout
         assert "\\x1b]0;pwned\\x07\\x1b[2J\\r[bold]x" in printed.stdout, printed.stdout
+
+
+def test_serve_help_names_the_environment_variable_of_every_option():
+    """Each `miles serve` option whose help names its MILES_* variable shows it in --help (rich markup must not eat
+    a bracketed hint, as it ate `[env MILES_STORE_URL]`)."""
+    import re
+    from pathlib import Path
+
+    import miles_control.cli.control as control
+
+    named = set(re.findall(r"\[(MILES_[A-Z_]+)\]", Path(control.__file__).read_text()))
+    assert {"MILES_STORE_URL", "MILES_DATA_DIR", "MILES_LAUNCHER"} <= named
+    shown = subprocess.run(
+        [sys.executable, "-m", "miles_control.cli.main", "serve", "--help"],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}, check=True,
+    ).stdout  # fmt: skip
+    missing = sorted(v for v in named if f"[{v}]" not in shown)
+    assert not missing, f"--help lost {missing}"

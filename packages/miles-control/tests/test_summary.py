@@ -51,6 +51,11 @@ def test_time_to_target_reads_the_first_wall_time_at_the_accuracy_every_schedule
     table = "\n".join(time_to_target_table([sync, fast]))
     assert "held-out accuracy 0.520" in table  # the lower of the two best accuracies
     assert "| sync | 60.0 | 1.00 |" in table and "| fully_async | 45.0 | 0.75 |" in table
+    # a target the first evaluation already held: no time to measure, said so (not "0.0 s"); the plot on its own line
+    flat = run("one_step_off", [(0.0, 0.60), (30.0, 0.60)])
+    table = "\n".join(time_to_target_table([flat, run("sync", [(0.0, 0.55), (30.0, 0.60)])]))
+    assert "| one_step_off | at the first evaluation |" in table and "| sync | 30.0 |" in table
+    assert "\n![accuracy against wall time](accuracy_vs_wall.png)\n" in table
 
 
 def test_a_push_that_waited_for_the_batch_to_end_counts_without_the_wait(tmp_path):

@@ -22,14 +22,29 @@ KEY_METRICS = [
     "train/logprob_diff_p99",
     "train/mismatch_k3",
 ]
-UNITS = {"_s": "s", "tokens_per_s": "tokens/s", "bytes": "bytes", "accuracy": "fraction", "frac": "fraction"}
+# A metric's unit by the end of its name (first match wins), else by a word in it; every chart's y axis names one.
+UNITS = {
+    "tokens_per_s": "tokens/s", "_per_s": "per s", "_ms": "ms", "_s": "s", "bytes": "bytes", "_mb": "MB",
+    "_pct": "%", "accuracy": "fraction", "frac": "fraction", "_share": "fraction", "grad_norm": "L2 norm",
+    "num_tokens": "tokens", "_tokens": "tokens", "_len": "tokens", "weight_version": "version",
+}  # fmt: skip
+UNIT_WORDS = {
+    "kl": "nats", "entropy": "nats", "logprob": "nats", "mismatch_k3": "nats", "reward": "reward",
+    "loss": "loss", "objective": "loss", "staleness": "versions", "ratio": "ratio", "tis": "weight",
+    "advantage": "advantage", "value": "value", "weight": "weight", "groups": "groups", "count": "count",
+}  # fmt: skip
 
 
 def unit_of(name: str) -> str:
+    """The unit a metric is measured in ("value" when its name says nothing more)."""
     for suffix, unit in UNITS.items():
         if name.endswith(suffix):
             return unit
-    return ""
+    leaf = name.rsplit("/", 1)[-1]
+    for word, unit in UNIT_WORDS.items():
+        if word in leaf:
+            return unit
+    return "value"
 
 
 def stage_scale() -> alt.Scale:
@@ -82,54 +97,66 @@ def change_rules(changes: list[dict] | None, x: str = "step", at: dict[int, floa
     ]
 
 
-def metric_grid(
+def with_segments(df: pd.DataFrame, breaks: list[float] | None) -> pd.DataFrame:
+    """`segment`: which attempt of a resumed run each point belongs to (`breaks`: the attempts' start times), so
+    that a curve is not drawn across the time the job was stopped."""
+    if not breaks or df.empty:
+        return df.assign(segment=0)
+    return df.assign(segment=[sum(t >= b for b in breaks[1:]) for t in df["wall_time"]])
+
+
+def metric_charts(
     df: pd.DataFrame,
     names: list[str],
     changes: list[dict] | None = None,
     axis: str = "step",
     log: bool = False,
     smoothing: float = 0.0,
-) -> alt.FacetChart | None:
-    """One line chart per metric (own y scale, unit in the title), against step or wall time; optional EMA
-    smoothing (the raw points stay, faint) and log scale (values ≤ 0 left out); schedule changes as labelled
-    dashed rules."""
+    breaks: list[float] | None = None,
+) -> list[tuple[str, alt.LayerChart]]:
+    """One line chart per metric (`(name, chart)`), each as wide as its container, with its own x axis (numbers and
+    title) and a y axis titled with the unit; against step or wall time; optional EMA smoothing (the raw points stay,
+    faint) and log scale (values ≤ 0 left out); schedule changes as labelled dashed rules; a resumed run's attempts
+    as separate segments (`breaks`). A click picks the step of the nearest point (selection `pick`)."""
     df = df[df["name"].isin(names)]
     if log:
         df = df[df["value"] > 0]
     if df.empty:
-        return None
+        return []
+    df = with_segments(df, breaks)
     df, x, x_title = with_axis(df, axis)
-    df = df.assign(label=[f"{n} ({unit_of(n)})" if unit_of(n) else n for n in df["name"]], kind="raw")
-    if smoothing > 0:
-        df = pd.concat([df, smooth(df, smoothing, ["name"]).assign(kind="smoothed")])
-    scale = alt.Scale(type="log") if log else alt.Scale(zero=False)
-    line = (
-        alt.Chart()
-        .mark_line(point=alt.OverlayMarkDef(size=18))
-        .encode(
-            x=alt.X(f"{x}:Q", title=x_title),
-            y=alt.Y("value:Q", title=None, scale=scale, axis=alt.Axis(format="~g")),
-            opacity=alt.condition(alt.datum.kind == "raw", alt.value(0.3 if smoothing > 0 else 1.0), alt.value(1.0)),
-            detail="kind:N",
-            tooltip=["name:N", "step:Q", alt.Tooltip("value:Q", format=".4g"), "kind:N"],
-        )
-    )
-    # the points carry the click selection ("pick": the step of the point nearest the click; Vega-Lite's nearest
-    # works on point marks, not on lines)
-    points = (
-        alt.Chart()
-        .mark_circle(size=30, opacity=0)
-        .encode(x=f"{x}:Q", y="value:Q", tooltip=["name:N", "step:Q", alt.Tooltip("value:Q", format=".4g"), "kind:N"])
-        .add_params(alt.selection_point(name="pick", fields=["step"], on="click", nearest=True))
-    )
     at = None if x == "step" else df.groupby("step")[x].min().to_dict()
-    layers: list[alt.Chart] = [line, points, *change_rules(changes, x, at)]
-    return (
-        alt.layer(*layers, data=df)
-        .properties(width=380, height=230)
-        .facet(facet=alt.Facet("label:N", title=None), columns=2)
-        .resolve_scale(y="independent")
-    )
+    charts = []
+    for name in [n for n in names if n in set(df["name"])]:
+        part = df[df["name"] == name].assign(kind="raw")
+        if smoothing > 0:
+            part = pd.concat([part, smooth(part, smoothing, ["name", "segment"]).assign(kind="smoothed")])
+        scale = alt.Scale(type="log") if log else alt.Scale(zero=False)
+        tooltip = ["name:N", "step:Q", alt.Tooltip("value:Q", format=".4g"), "kind:N"]
+        line = (
+            alt.Chart()
+            .mark_line(point=alt.OverlayMarkDef(size=18))
+            .encode(
+                x=alt.X(f"{x}:Q", title=x_title, axis=alt.Axis(format="~g", labelOverlap=True)),
+                y=alt.Y("value:Q", title=unit_of(name), scale=scale, axis=alt.Axis(format="~g")),
+                opacity=alt.condition(
+                    alt.datum.kind == "raw", alt.value(0.3 if smoothing > 0 else 1.0), alt.value(1.0)
+                ),
+                detail=["kind:N", "segment:N"],
+                tooltip=tooltip,
+            )
+        )
+        # the points carry the click selection (Vega-Lite's nearest works on point marks, not on lines)
+        points = (
+            alt.Chart()
+            .mark_circle(size=30, opacity=0)
+            .encode(x=f"{x}:Q", y="value:Q", tooltip=tooltip)
+            .add_params(alt.selection_point(name="pick", fields=["step"], on="click", nearest=True))
+        )
+        layers: list[alt.Chart] = [line, points, *change_rules(changes, x, at)]
+        chart = alt.layer(*layers, data=part).properties(width="container", height=230, title=name)
+        charts.append((name, chart))
+    return charts
 
 
 def _change_label(change: dict) -> str:
@@ -167,7 +194,11 @@ def gantt(df: pd.DataFrame, boundaries: pd.DataFrame | None = None) -> alt.Chart
                 text=alt.Text("step:Q", format="d"), y=alt.value(0)
             ),
         ]
-    return alt.layer(*layers).properties(height=60 * df["worker"].nunique() + 50).interactive(bind_y=False)
+    return (
+        alt.layer(*layers)
+        .properties(width="container", height=60 * df["worker"].nunique() + 50)
+        .interactive(bind_y=False)
+    )
 
 
 def breakdown(summary: dict) -> tuple[pd.DataFrame, float]:
@@ -188,17 +219,26 @@ def breakdown(summary: dict) -> tuple[pd.DataFrame, float]:
 
 
 def breakdown_chart(per: pd.DataFrame, by: str | None = None) -> alt.Chart:
+    """Share of wall time per stage; with `by` (runs), one bar per run within each stage, coloured by run. Sized
+    by its container."""
+    tooltip = ["stage:N", alt.Tooltip("seconds:Q", format=",.2f"), alt.Tooltip("share:Q", format=".1%"), "kind:N"]
     encode = dict(
         x=alt.X("share:Q", title="share of wall time", axis=alt.Axis(format="%")),
         y=alt.Y("stage:N", title=None, sort="-x"),
-        color=alt.Color("stage:N", scale=stage_scale(), legend=None),
         opacity=alt.condition(alt.datum.kind == "work", alt.value(1.0), alt.value(0.45)),
-        tooltip=["stage:N", alt.Tooltip("seconds:Q", format=",.2f"), alt.Tooltip("share:Q", format=".1%"), "kind:N"],
+        tooltip=tooltip + ([f"{by}:N"] if by else []),
     )
-    chart = alt.Chart(per).mark_bar().encode(**encode)
     if by:
-        return chart.properties(width=260, height=160).facet(column=alt.Column(f"{by}:N", title=None))
-    return chart.properties(height=max(120, 32 * len(per)))
+        encode.update(
+            yOffset=alt.YOffset(f"{by}:N"),
+            color=alt.Color(
+                f"{by}:N", title=None, scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(orient="top")
+            ),
+        )
+        rows = per["stage"].nunique() * max(per[by].nunique(), 1)
+        return alt.Chart(per).mark_bar().encode(**encode).properties(width="container", height=max(140, 18 * rows))
+    encode["color"] = alt.Color("stage:N", scale=stage_scale(), legend=None)
+    return alt.Chart(per).mark_bar().encode(**encode).properties(width="container", height=max(120, 32 * len(per)))
 
 
 def series_chart(
@@ -213,30 +253,39 @@ def series_chart(
     """A line chart of `value` against `x`, one colour per `color` group (runs get distinct colours), with
     schedule changes (on a step axis) as labelled rules."""
     encode = dict(
-        x=alt.X(f"{x}:Q", title=x_title),
-        y=alt.Y("value:Q", title=y_title, scale=alt.Scale(type="log") if log else alt.Scale(zero=False)),
+        x=alt.X(f"{x}:Q", title=x_title, axis=alt.Axis(format="~g")),
+        y=alt.Y(
+            "value:Q",
+            title=y_title if unit_of(y_title) == "value" or "(" in y_title else f"{y_title} ({unit_of(y_title)})",
+            scale=alt.Scale(type="log") if log else alt.Scale(zero=False),
+            axis=alt.Axis(format="~g"),
+        ),
         tooltip=[f"{x}:Q", alt.Tooltip("value:Q", format=".4g")] + ([f"{color}:N"] if color else []),
     )
     if color:
         encode["color"] = alt.Color(
             f"{color}:N", title=None, scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(orient="right")
         )
+    if "segment" in df.columns:
+        encode["detail"] = "segment:N"  # a resumed run: no line across the time it was stopped
     line = alt.Chart(df).mark_line(point=alt.OverlayMarkDef(size=15)).encode(**encode)
     rules = change_rules(changes, x) if x == "step" else []
-    return alt.layer(line, *rules).properties(height=300).interactive()
+    return alt.layer(line, *rules).properties(width="container", height=300).interactive()
 
 
 def logprob_strip(logprobs: list[float]) -> alt.Chart:
-    """A response's per-token logprobs as a heat strip: one cell per token, darker where the token was less
-    likely."""
+    """A response's per-token logprobs as a heat strip: one cell per token (token k spans [k, k+1)), darker where
+    the token was less likely."""
     df = pd.DataFrame({"token": range(len(logprobs)), "logprob": logprobs})
+    df = df.assign(end=df["token"] + 1)
     return (
         alt.Chart(df)
         .mark_rect()
         .encode(
-            x=alt.X("token:O", title="response token", axis=alt.Axis(labels=len(logprobs) <= 64)),
-            color=alt.Color("logprob:Q", scale=alt.Scale(scheme="viridis"), title="logprob"),
-            tooltip=["token:O", alt.Tooltip("logprob:Q", format=".3f")],
+            x=alt.X("token:Q", title="response token", axis=alt.Axis(format="d", tickMinStep=1)),
+            x2="end:Q",
+            color=alt.Color("logprob:Q", scale=alt.Scale(scheme="viridis"), title="logprob (nats)"),
+            tooltip=["token:Q", alt.Tooltip("logprob:Q", format=".3f")],
         )
-        .properties(height=50)
+        .properties(width="container", height=50)
     )

@@ -28,10 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def streamlit_command(host: str, port: int) -> list[str]:
-    """The command line that serves the app: Streamlit in this interpreter, headless, no usage statistics."""
+    """The command line that serves the app: Streamlit in this interpreter, headless, no usage statistics, and
+    Streamlit's developer toolbar hidden."""
     return [
         sys.executable, "-m", "streamlit", "run", str(APP), "--server.address", host, "--server.port", str(port),
         "--server.headless", "true", "--browser.gatherUsageStats", "false",
+        "--client.toolbarMode", "viewer",  # no Deploy button or developer menu for the people who use it
     ]  # fmt: skip
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import yaml
 
 from miles_control.spec.yaml_safe import compose_yaml, load_yaml
@@ -85,16 +87,16 @@ SERVER_CHOSEN = (("output_dir",), ("sync", "dir"), ("sync", "master_address"), (
 
 def clone_spec(spec: dict) -> dict:
     """An earlier job's stored spec (defaults filled in) as a spec to launch again: without what the server
-    chose for it, named "<name>-again"."""
-    data = yaml.safe_load(yaml.safe_dump(spec))  # a deep copy
+    chose for it, named "<name>-again" on its first line, its sections in the spec's own order (not sorted)."""
+    data = copy.deepcopy(spec)
     for path in SERVER_CHOSEN:
         node = data
         for key in path[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.pop(path[-1], None)
-    data["name"] = f"{data.get('name', 'job')}-again"
-    return data
+    name = f"{data.pop('name', 'job')}-again"
+    return {"name": name, **data}
 
 
 def numbered(text: str, marks: dict[int, str]) -> str:

@@ -29,12 +29,12 @@ chosen = [by_id[i] for i in ids]
 
 names = sorted({n for j in chosen for n in client.metric_names(j.id)})
 left, right = st.columns([3, 1])
+# The choice outlives a change of runs: what was picked and is still on offer stays picked.
+wanted = st.session_state.get("cmp_metrics_wanted", ["rollout/reward_mean", "eval/accuracy"])
 picked = left.multiselect(
-    "Metrics",
-    names,
-    default=[n for n in ("rollout/reward_mean", "eval/accuracy") if n in names],
-    key="cmp_metrics",
+    "Metrics", names, default=[n for n in wanted if n in names], key=f"cmp_metrics-{'-'.join(map(str, ids))}"
 )
+st.session_state["cmp_metrics_wanted"] = picked
 axis = right.radio("Against", ["wall time", "step"], horizontal=True, key="cmp_axis")
 
 
@@ -44,7 +44,7 @@ def comparison(chosen: list, picked: list[str], axis: str) -> None:
     chosen = [client.job(j.id) for j in chosen]  # their progress now, not at the first draw
     curves, shares, table = [], [], []
     for job in chosen:
-        label = f"#{job.id} {job.schedule}"
+        label = f"#{job.id} {job.name}"
         points = metrics_frame(rows(client.metrics(job.id, picked))) if picked else pd.DataFrame()
         steps = client.steps(job.id)
         start = min((s.started_at for s in steps), default=None)
@@ -58,6 +58,7 @@ def comparison(chosen: list, picked: list[str], axis: str) -> None:
         table.append(
             {
                 "run": label,
+                "schedule": job.schedule,
                 "status": job.status,
                 "steps": summary["num_steps"],
                 "wall s": round(wall, 1),
@@ -93,7 +94,7 @@ def comparison(chosen: list, picked: list[str], axis: str) -> None:
     both = pd.concat(shares) if shares else pd.DataFrame()
     if not both.empty:
         st.subheader("Time breakdown")
-        st.altair_chart(breakdown_chart(both, by="run"))
+        st.altair_chart(breakdown_chart(both, by="run"), width="stretch")
 
 
 def _share(per: pd.DataFrame, stage: str) -> float:

@@ -12,12 +12,12 @@ from miles_dashboard.charts import (
     breakdown_chart,
     gantt,
     logprob_strip,
-    metric_grid,
+    metric_charts,
     metrics_frame,
     series_chart,
     spans_frame,
 )
-from miles_dashboard.common import ACTIVE, api, choose_job, clock, rows, status_text, timing
+from miles_dashboard.common import ACTIVE, RETRY_S, api, attempt_starts, choose_job, clock, rows, status_text, timing
 
 client = api()
 st.title("Job")
@@ -26,9 +26,34 @@ if picked is None:
     st.stop()
 job_id = picked.id
 refresh = st.sidebar.toggle("Auto refresh while active", value=True, key="auto_refresh")
+drawn = client.job(job_id)  # what the page is drawn for: a change of status (or a new attempt) redraws it
 
 
-@st.fragment(run_every=3 if refresh and picked.status in ACTIVE else None)
+def _state(job) -> tuple:
+    return job.status, len(job.attempts), job.cancel_requested
+
+
+@st.fragment(run_every=RETRY_S)
+def follow() -> None:
+    """Every few seconds, whatever the page shows: has the job moved on (another status, a new attempt, a cancel
+    asked elsewhere)? Then the whole page follows it, its refresh included."""
+    if _state(client.job(job_id)) != _state(drawn):
+        st.rerun()
+
+
+@st.dialog("Cancel this job?")
+def confirm_cancel(job) -> None:
+    st.write(
+        f"#{job.id} {job.name} stops at its next step boundary; a cancelled job can be resumed from its last checkpoint."
+    )
+    keep, stop = st.columns(2)
+    if stop.button("Cancel the job", type="primary", key="cancel_confirmed"):
+        _act(lambda: client.cancel(job.id), "cancel requested")
+    if keep.button("Keep it running", key="cancel_kept"):
+        st.rerun()
+
+
+@st.fragment(run_every=3 if refresh and drawn.status in ACTIVE else None)
 def show() -> None:
     job = client.job(job_id)
     head, actions = st.columns([4, 1])
@@ -50,9 +75,11 @@ def show() -> None:
                 for t in tracked
             )
         )
-    if job.status in ACTIVE and actions.button("Cancel", key="cancel"):
-        _act(lambda: client.cancel(job_id), "cancel requested")
-    if job.resumable and actions.button("Resume", key="resume"):
+    if job.status in ACTIVE and not job.cancel_requested and actions.button("Cancel…", key="cancel"):
+        confirm_cancel(job)
+    if job.cancel_requested and job.status in ACTIVE:
+        actions.caption("Cancel requested: stopping at the next step.")
+    if job.resumable and actions.button("Resume", key="resume", type="primary"):
         _act(lambda: client.resume(job_id), "queued again")
 
     tabs = st.tabs(
@@ -77,26 +104,39 @@ def show() -> None:
         # Keyed by the names on offer: when new metrics appear (a starting job), the defaults apply again.
         chosen = st.multiselect("Metrics", names, default=default, key=f"metrics-{job_id}-{len(names)}")
         shown = _chart_controls(points, job)
-        grid = metric_grid(
+        charts = metric_charts(
             shown,
             chosen,
             changes,
             axis=st.session_state["chart_axis"],
             log=st.session_state["chart_log"],
             smoothing=st.session_state["chart_smoothing"],
+            breaks=attempt_starts(job),
         )
-        if grid is None:
+        if not charts:
             st.info("Choose metrics above." if names else "No metrics yet (or none above 0 on a log scale).")
         else:
-            event = st.altair_chart(grid, on_select="rerun", selection_mode="pick", key=f"grid-{job_id}")
-            picked = ((event or {}).get("selection") or {}).get("pick") or []  # a state: a dict with attributes
-            if picked:  # a click on a point: that step's samples and timeline, under the charts
-                _step_detail(job, int(picked[0]["step"]))
+            step = None
+            for first in range(0, len(charts), 2):  # two a row; Streamlit stacks the columns on a narrow screen
+                for column, (name, chart) in zip(st.columns(2), charts[first : first + 2], strict=False):
+                    with column:
+                        event = st.altair_chart(
+                            chart,
+                            on_select="rerun",
+                            selection_mode="pick",
+                            key=f"grid-{job_id}-{name}",
+                            width="stretch",
+                        )
+                    pick = ((event or {}).get("selection") or {}).get("pick") or []  # a state: a dict with attributes
+                    if pick and step is None:
+                        step = int(pick[0]["step"])
+            if step is not None:  # a click on a point: that step's samples and timeline, under the charts
+                _step_detail(job, step)
             else:
                 st.caption("Click a point to see that step's samples and timeline.")
             st.caption(
-                "Dashed lines: schedule changes, labelled, at the step they applied. The controls (and the step "
-                "range) stay as set while the page refreshes."
+                "Dashed lines: schedule changes, labelled, at the step they applied. A resumed run's attempts are "
+                "drawn apart. The controls (and the step range) stay as set while the page refreshes."
             )
             picked = shown[shown["name"].isin(chosen)]
             st.download_button(
@@ -158,7 +198,9 @@ def show() -> None:
             steps = sorted({s["step"] for s in samples}, reverse=True)
             # the latest step by default, and again when a newer one arrives
             step = st.selectbox("Step", steps, key=f"sample_step-{job_id}-{steps[0]}")
-            _samples([s for s in samples if s["step"] == step], f"tab-{job_id}")
+            of_step = [s for s in samples if s["step"] == step]
+            st.caption(_stored_of(job, len(of_step)))
+            _samples(of_step, f"tab-{job_id}")
     with tabs[6]:
         events = sorted(all_events, key=lambda e: e["created_at"], reverse=True)
         for event in events:  # newest first, with readable times
@@ -175,6 +217,27 @@ def show() -> None:
         st.code(yaml.safe_dump(job.spec, sort_keys=False), language="yaml")
     with tabs[9]:
         _resources(points, changes)
+
+
+def _stored_of(job, stored: int) -> str:
+    """How many of a step's samples the job stores (`store.samples_per_step`) against how many it generated."""
+    rollout = job.spec.get("rollout", {})
+    generated = rollout.get("num_prompts_per_step", 0) * rollout.get("samples_per_prompt", 0)
+    per_step = job.spec.get("store", {}).get("samples_per_step")
+    of = f" of the {generated} it generated" if generated else ""
+    return (
+        f"{stored} sample(s) of this step stored{of}: the job keeps `store.samples_per_step` = {per_step} a step "
+        "(the first groups of each batch); raise it in the spec to keep more."
+    )
+
+
+NOISE = ("INFO  [alembic", "INFO [alembic")  # the store's schema check at start-up, not the job's own output
+
+
+def _readable_log(text: str, newest_first: bool) -> str:
+    """A log as a person reads it: without the store's set-up lines, and (by default) the newest line first."""
+    lines = [line for line in text.splitlines() if not line.startswith(NOISE)]
+    return "\n".join(lines[::-1] if newest_first else lines)
 
 
 RESOURCES = {"cpu_pct": "CPU (% of one core)", "rss_mb": "resident memory (MB)", "gpu_mem_mb": "GPU memory (MB)"}
@@ -289,19 +352,23 @@ def _logs(job) -> None:
         return
     described = {s.name: s.description for s in sources}  # the server says whose: "SGLang server 0, after restart 1"
     whose = "The driver's log" if source == "driver" else f"The log of {described.get(source, source)}"
+    newest_first = st.toggle("Newest line first", value=True, key="log_newest_first")
     st.caption(
-        f"{whose}, attempt {attempt} (the last {kib} KiB"
+        f"{whose}, attempt {attempt} of {len(numbers)} (the last {kib} KiB"
         + ("; it follows the job while it runs)" if job.status in ACTIVE else ")")
     )
-    st.code(text or "(empty)", language="log")
+    st.code(_readable_log(text, newest_first) or "(empty)", language="log")
 
 
 def _act(call, done: str) -> None:
+    """An action on the job, then the whole page again: it follows the job's new state at once."""
     try:
         call()
-        st.toast(done)
     except ApiError as exc:
         st.error(exc.message)
+        return
+    st.session_state["flash"] = done
+    st.rerun()
 
 
 def _timeline(job, changes: list[dict]) -> None:
@@ -325,4 +392,7 @@ def _timeline(job, changes: list[dict]) -> None:
         st.markdown(f"Schedule change before step {c['applied_step']}: `{c['patch']}`")
 
 
+if flash := st.session_state.pop("flash", None):
+    st.toast(flash)
+follow()
 show()

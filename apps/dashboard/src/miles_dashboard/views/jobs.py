@@ -62,6 +62,12 @@ source = st.radio("Start from", ["a preset", "an earlier job"], horizontal=True,
 if source == "a preset":
     presets = {p.name: p.spec_yaml for p in client.presets()}  # the server's presets_dir
     names = sorted(presets)
+    if not names:
+        st.info(
+            "This API server offers no presets: it reads them from its presets folder (`miles serve --presets-dir "
+            "DIR`, or MILES_PRESETS_DIR; by default `examples/` of the folder it was started in), which holds no "
+            "*.yaml. Paste a job spec below, or start from an earlier job."
+        )
     preset = st.selectbox("Preset", names, index=names.index("quick") if "quick" in names else 0, key="preset")
     if preset is not None and st.session_state.get("loaded") != ("preset", preset):
         st.session_state["spec_yaml"] = presets[preset]
@@ -72,10 +78,26 @@ else:
     if clone is not None and st.session_state.get("loaded") != ("job", clone):
         st.session_state["spec_yaml"] = yaml.safe_dump(clone_spec(client.job(clone).spec), sort_keys=False)
         st.session_state["loaded"] = ("job", clone)
+# The buttons and what they answer sit above the editor: on a short screen the errors are in view.
+controls = st.container()
 text = st.text_area("Job spec (YAML)", key="spec_yaml", height=360)
-validate_col, launch_col, _ = st.columns([1, 1, 4])
-validate = validate_col.button("Validate", key="validate")
-launch = launch_col.button("Launch", type="primary", key="launch")
+with controls:
+    validate_col, launch_col, _ = st.columns([1, 1, 3])
+    validate = validate_col.button("Validate", key="validate")
+    launch = launch_col.button("Launch", type="primary", key="launch")
+    answer = st.container()
+
+READABLE = {  # pydantic's wording → what it means in a job spec
+    "Extra inputs are not permitted": "not a field of this section (a typo, or a field of another section or kind)",
+    "Field required": "required: this section needs it",
+}
+
+
+def readable(message: str) -> str:
+    for raw, meaning in READABLE.items():
+        if message.startswith(raw):
+            return meaning + message[len(raw) :]
+    return message
 
 
 def refused(exc: ApiError) -> None:
@@ -87,7 +109,7 @@ def refused(exc: ApiError) -> None:
     marks: dict[int, str] = {}
     for path, msg in exc.fields.items():
         line = field_line(text, path)
-        st.markdown(f"- {'line ' + str(line) + ' · ' if line else ''}`{path}`: {msg}")
+        st.markdown(f"- {'line ' + str(line) + ' · ' if line else ''}`{path}`: {readable(msg)}")
         if line:
             marks[line] = f"{marks[line]}; {msg}" if line in marks else msg
     if marks:
@@ -96,29 +118,33 @@ def refused(exc: ApiError) -> None:
 
 
 if validate or launch:
-    try:
-        data = parse_yaml(text)
-        if validate:
-            checked = client.validate_job(data)
+    with answer:
+        try:
+            data = parse_yaml(text)
+            if validate:
+                checked = client.validate_job(data)
+            else:
+                created = client.create_job(data)
+        except SpecSyntaxError as exc:
+            st.error(f"Invalid YAML: {exc}")
+            if exc.line:
+                st.session_state["spec_marks"] = (text, {exc.line: str(exc)})
+        except ApiError as exc:
+            refused(exc)
         else:
-            created = client.create_job(data)
-    except SpecSyntaxError as exc:
-        st.error(f"Invalid YAML: {exc}")
-        if exc.line:
-            st.session_state["spec_marks"] = (text, {exc.line: str(exc)})
-    except ApiError as exc:
-        refused(exc)
-    else:
-        if validate:
-            schedule = checked["schedule"]
-            st.success(
-                f"Valid: {checked['name']} would run {schedule['num_steps']} steps on the {schedule['type']} "
-                f"schedule with the {checked['train']['backend']['type']} backend and the "
-                f"{checked['rollout']['engine']['type']} engine."
-            )
-        else:  # straight to the new job
-            st.session_state["job_id"] = created.id
-            st.switch_page("views/job.py")
+            if validate:
+                schedule = checked["schedule"]
+                st.success(
+                    f"Valid: {checked['name']} would run {schedule['num_steps']} steps on the {schedule['type']} "
+                    f"schedule with the {checked['train']['backend']['type']} backend and the "
+                    f"{checked['rollout']['engine']['type']} engine."
+                )
+            else:  # straight to the new job, saying so when the server gave it another name
+                asked = data.get("name") if isinstance(data, dict) else None
+                if asked and created.name != asked:
+                    st.session_state["flash"] = f"launched as {created.name}: the name {asked} is taken"
+                st.session_state["job_id"] = created.id
+                st.switch_page("views/job.py")
 
 # The editor's gutter: line numbers, and the lines of the last refusal shaded while the text is the one refused.
 marked_text, marks = st.session_state.get("spec_marks", ("", {}))

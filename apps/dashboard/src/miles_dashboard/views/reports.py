@@ -10,7 +10,7 @@ from miles_dashboard.common import RETRY_S, api, clock
 
 client = api()
 st.title("Bench reports")
-IMAGE = re.compile(r"^!\[([^\]]*)\]\(([A-Za-z0-9._-]+)\)$")  # a line that shows one of the report's files
+IMAGE = re.compile(r"!\[([^\]]*)\]\(([A-Za-z0-9._-]+)\)")  # one of the report's files, anywhere in a line
 
 
 @st.fragment(run_every=RETRY_S * 10)
@@ -38,16 +38,22 @@ def show(report_id: int) -> None:
         st.info(exc.message)
         return
     if report.job_ids:
-        st.caption("Its runs: " + ", ".join(f"#{i}" for i in report.job_ids) + " (open them on the Job page).")
+        links = ", ".join(f"[#{i}](job?job={i})" for i in report.job_ids)
+        st.markdown(f"Its runs: {links} (each opens on the Job page).")
     chunk: list[str] = []
     for line in report.markdown.splitlines():
-        match = IMAGE.match(line.strip())
-        if match and match.group(2) in report.files:
+        shown = [m for m in IMAGE.finditer(line) if m.group(2) in report.files]
+        if not shown:
+            chunk.append(line)
+            continue
+        at = 0
+        for match in shown:  # the text before an image, then the image itself (markdown cannot fetch it)
+            chunk.append(line[at : match.start()])
             st.markdown("\n".join(chunk))
             chunk = []
             st.image(client.report_file(report.id, match.group(2)), caption=match.group(1))
-        else:
-            chunk.append(line)
+            at = match.end()
+        chunk.append(line[at:])
     st.markdown("\n".join(chunk))
 
 

@@ -4,7 +4,7 @@ refreshes by itself and stays readable once the job has finished."""
 import streamlit as st
 
 from miles_control.client import ApiError
-from miles_dashboard.charts import metric_grid, metrics_frame
+from miles_dashboard.charts import metric_charts, metrics_frame
 from miles_dashboard.common import ACTIVE, RETRY_S, api, choose_job, rows, status_text
 
 LIVE = ("update_weights_interval", "max_staleness", "pause_mode", "buffer_groups", "push_between_batches")
@@ -110,9 +110,11 @@ def history() -> None:
         why = f" · {c.message}" if c.status == "rejected" else ""
         st.markdown(f"- change {c.id}: `{patch}` · **{c.status}** {where}{why}")
     points = metrics_frame(rows(client.metrics(job.id, ["rollout/reward_mean", "eval/accuracy", "step/wall_s"])))
-    grid = metric_grid(points, sorted(points["name"].unique()), rows(changes))
-    if grid is not None:
-        st.altair_chart(grid)
+    charts = metric_charts(points, sorted(points["name"].unique()), rows(changes))
+    for first in range(0, len(charts), 2):  # two a row; stacked on a narrow screen
+        for column, (_, chart) in zip(st.columns(2), charts[first : first + 2], strict=False):
+            column.altair_chart(chart, width="stretch")
+    if charts:
         st.caption("Dashed lines: the changes, at the step they applied.")
 
 

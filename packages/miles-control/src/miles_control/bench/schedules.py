@@ -139,7 +139,9 @@ def time_to_target_table(summaries: list[RunSummary]) -> list[str]:
         f"Target: held-out accuracy {target:.3f}, the highest that every schedule reached (first "
         f"{summaries[0].accuracy_by_wall[0][1]:.3f}). Wall time from the first step's start to the end of the step "
         "whose evaluation first reached it; the accuracy is measured every `rollout.eval.every_steps` steps, so the "
-        "times are as coarse as that. ![accuracy against wall time](accuracy_vs_wall.png)",
+        "times are as coarse as that.",
+        "",
+        "![accuracy against wall time](accuracy_vs_wall.png)",
         "",
         "| schedule | s to target | vs sync | held-out accuracy by wall time (s: accuracy) |",
         "|---|---|---|---|",
@@ -147,7 +149,12 @@ def time_to_target_table(summaries: list[RunSummary]) -> list[str]:
     for s, t in zip(summaries, times, strict=True):
         curve = ", ".join(f"{wall:.0f}: {acc:.3f}" for wall, acc in s.accuracy_by_wall)
         ratio = f"{t / base:.2f}" if t is not None and base else ""
-        lines.append(f"| {s.schedule} | {t:.1f} | {ratio} | {curve} |" if t is not None else f"| {s.schedule} |")
+        if t is None:
+            lines.append(f"| {s.schedule} | not reached | | {curve} |")
+        elif t <= 0:  # the first evaluation already held the target: no time to measure, not 0 s of training
+            lines.append(f"| {s.schedule} | at the first evaluation | | {curve} |")
+        else:
+            lines.append(f"| {s.schedule} | {t:.1f} | {ratio} | {curve} |")
     return lines + [""]
 
 

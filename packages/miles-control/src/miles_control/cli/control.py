@@ -30,7 +30,7 @@ def _fail(message: str, code: int = 1) -> None:
 def serve(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8420,
-    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the job store [env MILES_STORE_URL].")] = None,
+    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the job store [MILES_STORE_URL].")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Server state: logs, runs, local Ray [MILES_DATA_DIR].")] = None,
     data_root: Annotated[Path | None, typer.Option(help="Prompt files must lie under it [MILES_DATA_ROOT].")] = None,
     model_root: Annotated[Path | None, typer.Option(help="Model folders must lie under it [MILES_MODEL_ROOT].")] = None,
