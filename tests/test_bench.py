@@ -292,3 +292,17 @@ def test_routing_replay_bench_reports_agreement_and_logprob_differences_both_way
         agreement, mean, p99 = (float(row[i]) for i in (5, 6, 7))
         assert 0.5 < agreement <= 1.0, row  # a share of (position, layer) pairs; most agree in bf16
         assert 0 < mean <= p99 < 0.1, row  # bf16 differs a little, never by much
+
+
+@pytest.mark.extended  # a measurement for the docs (docs/results.md): TRL and Miles, minutes each at full size
+def test_peer_bench_runs_trl_and_miles_on_the_same_task(tmp_path):
+    pytest.importorskip("trl", reason="trl is not installed (requirements/dev.txt pins it)")
+    out = tmp_path / "peer.md"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "peer_trl.py"), "--quick", "--out", str(out)], check=True,
+                   cwd=ROOT, timeout=900)  # fmt: skip
+    report = out.read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| 1 |")]
+    assert [r.split(" | ")[1] for r in rows] == ["TRL GRPOTrainer", "Miles, hf engine, sync"], report
+    for row in rows:  # a measured step time for each, and Miles' ratio to TRL's
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[4]) > 0 and float(cells[8]) > 0, row

@@ -239,7 +239,7 @@ def no_traceback(page) -> None:
 def seeded(store) -> dict:
     """Two finished runs with metrics, spans and samples, straight in the store the API reads."""
     return {"done": seed_run(store, "wide-run", "sync", 5, JobStatus.SUCCEEDED),
-            "other": seed_run(store, "other-run", "fully_async", 5, JobStatus.SUCCEEDED)}  # fmt: skip
+            "other": seed_run(store, "other-run", "fully_async", 5, JobStatus.CANCELLED)}  # fmt: skip
 
 
 def test_every_page_fits_a_wide_and_a_narrow_screen(stack):
@@ -275,10 +275,15 @@ def test_every_page_fits_a_wide_and_a_narrow_screen(stack):
                 box = launch.bounding_box()
                 assert box and box["x"] + box["width"] <= viewport["width"], box
             if name == "job":
-                resume = page.get_by_role("button", name="Resume")
-                assert not resume.count()  # a succeeded job: nothing to resume
+                assert not page.get_by_role("button", name="Resume").count()  # a succeeded job: nothing to resume
                 page.get_by_role("tab", name="Samples").click()
                 wait_text(page, r"sample\(s\) of this step stored")
+                page.goto(f"{stack['base']}/job?job={jobs['other']}")  # a cancelled one: Resume, in reach
+                resume = page.get_by_role("button", name="Resume")
+                resume.wait_for()
+                resume.scroll_into_view_if_needed()
+                box = resume.bounding_box()
+                assert box and 0 <= box["x"] and box["x"] + box["width"] <= viewport["width"], box
         context.close()
 
 
@@ -335,22 +340,22 @@ def test_the_job_page_follows_a_cancel_and_a_resume_to_the_end(stack):
     page = stack["page"]
     spec = yaml.safe_load((ROOT / "examples" / "quick.yaml").read_text())
     spec.update(name="follow-me")
-    spec["schedule"].update(num_steps=12, checkpoint_every=2)
+    spec["schedule"].update(num_steps=16, checkpoint_every=2)
     headers = {"Authorization": f"Bearer {stack['token']}"}
     job = httpx.post(f"{stack['api'].url}/api/v1/jobs", json={"spec": spec}, headers=headers).json()["id"]
     page.goto(stack["base"])
     sign_in(page, stack["token"])
     page.goto(f"{stack['base']}/job?job={job}")
-    wait_text(page, r"running · .*step [2-9]/12", timeout_s=240)  # past its first checkpoint
+    wait_text(page, r"running · .*step ([2-9]|1[0-5])/16", timeout_s=300)  # past its first checkpoint
     page.get_by_role("button", name="Cancel…").click()
     page.get_by_role("button", name="Cancel the job").click()  # the confirmation
     wait_text(page, r"follow-me · cancelled", timeout_s=240)  # the header, followed without a reload
     page.get_by_role("button", name="Resume").wait_for()
-    time.sleep(1)
+    page.get_by_role("button", name="Cancel…").wait_for(state="detached", timeout=60_000)  # the redraw done
     shot(page, "10-job-cancelled")
     page.get_by_role("button", name="Resume").click()
     wait_text(page, r"follow-me · (queued|starting|running) · ", timeout_s=60)
-    wait_text(page, r"follow-me · succeeded · .*step 12/12", timeout_s=400)  # no reload: the page followed the job
+    wait_text(page, r"follow-me · succeeded · .*step 16/16", timeout_s=400)  # no reload: the page followed the job
     wait_text(page, "over 2 attempts")
     page.get_by_role("button", name="Cancel…").wait_for(state="detached", timeout=30_000)  # a finished job's page
     assert not page.get_by_role("button", name="Resume").count()

@@ -148,3 +148,24 @@ def test_ray_gives_each_rank_and_engine_the_planned_gpus(ray_with_logical_gpus):
     assert ray.util.placement_group_table() == {} or all(
         entry["state"] == "REMOVED" for entry in ray.util.placement_group_table().values()
     )
+
+
+def test_no_core_is_idle_by_design_cpu_split_applies_only_where_stages_overlap():
+    """`ray.cpu_split` splits the machine between the trainer and the rollout only under the schedules where they run
+    at once; under sync (they take turns) each stage keeps every core."""
+    import os
+
+    from miles_control.job.runtime.job import cpu_plan
+    from miles_control.spec.config import JobSpec
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 CPU cores")
+    for kind in ("sync", "one_step_off", "fully_async"):
+        split = cpu_plan(JobSpec(name="x", schedule={"type": kind}, ray={"cpu_split": True}))
+        if kind == "sync":
+            assert split == {"trainer": None, "rollout": None}
+        else:
+            assert split["trainer"] and split["rollout"] and not set(split["trainer"]) & set(split["rollout"])
+            assert sorted(split["trainer"] + split["rollout"]) == cores  # every core to one stage or the other
+        assert cpu_plan(JobSpec(name="x", schedule={"type": kind})) == {"trainer": None, "rollout": None}

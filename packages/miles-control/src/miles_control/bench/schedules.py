@@ -176,8 +176,9 @@ def report(summaries: list[RunSummary], spec: JobSpec, split: dict, out: Path) -
         "",
         "## Machine and split",
         "",
-        f"{split.get('machine', '')}. Trainer pinned to cores {split.get('trainer')}, rollout actor and its "
-        f"engine to cores {split.get('rollout')} (`ray.cpu_split`).",
+        f"{split.get('machine', '')}. Under the overlapped schedules the trainer is pinned to cores "
+        f"{split.get('trainer')}, the rollout actor and its engine to cores {split.get('rollout')} (`ray.cpu_split`); "
+        "under sync the stages take turns and each uses every core.",
         "",
         "## Workload",
         "",

@@ -67,6 +67,12 @@ class ScheduleBase(_Strict):
         """Push weights every this many train steps."""
         return 1
 
+    @property
+    def overlaps_stages(self) -> bool:
+        """Whether generation and training run at the same time (then `ray.cpu_split` gives each its own cores);
+        under a schedule whose stages take turns each stage uses every core."""
+        return False
+
 
 class SyncSchedule(ScheduleBase):
     """`sync`: generate → train → push, strictly on-policy."""
@@ -90,6 +96,10 @@ class OverlappedSchedule(ScheduleBase):
     @property
     def push_every(self) -> int:
         return self.update_weights_interval
+
+    @property
+    def overlaps_stages(self) -> bool:
+        return True
 
 
 class OneStepOffSchedule(OverlappedSchedule):

@@ -58,6 +58,15 @@ def ensure_ray(config: RayConfig) -> bool:
     return True
 
 
+def cpu_plan(spec: JobSpec) -> dict[str, list[int] | None]:
+    """The cores of the trainer ranks and of the rollout actor (None: not pinned, every core). No core is idle by
+    design: `ray.cpu_split` splits the machine only where the stages run at the same time (the overlapped
+    schedules); where they take turns (sync) each stage gets every core while the other waits."""
+    if spec.ray.cpu_split and spec.schedule.overlaps_stages:
+        return dict(split_cpus())
+    return {"trainer": None, "rollout": None}
+
+
 def split_cpus() -> dict[str, list[int]]:
     """Disjoint cores of this machine: the trainer the first half, rollout the rest (at least one each)."""
     cores = sorted(os.sched_getaffinity(0))
@@ -108,11 +117,14 @@ class JobRuntime:
             )
             log.warning(message)
             recorder.event("warning", message)
-        self.cpu_split = split_cpus() if spec.ray.cpu_split else {"trainer": None, "rollout": None}
+        self.cpu_split = cpu_plan(spec)
         if spec.ray.cpu_split:
+            placed = self.cpu_split["trainer"] is not None
             recorder.event(
                 "cpu_split",
-                f"trainer on cores {self.cpu_split['trainer']}, rollout on {self.cpu_split['rollout']}",
+                f"trainer on cores {self.cpu_split['trainer']}, rollout on {self.cpu_split['rollout']}"
+                if placed
+                else f"not applied: under {spec.schedule.type} the stages take turns, so each uses every core",
                 **self.cpu_split,
             )
         # The resource plan, checked against the cluster before any actor starts (miles_control.job.placement).
