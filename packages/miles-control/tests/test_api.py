@@ -588,3 +588,10 @@ def test_datasets_hub_ids_map_functions_and_trackers_over_the_api(tmp_path, monk
     assert "is outside" in check({"path": "org/dataset"}, [{"type": "tensorboard", "dir": "/tmp"}])[1][0]
     refused = check({"path": "org/dataset"}, [{"type": "mlflow", "tracking_uri": "http://10.0.0.1"}])[1]
     assert "a tracking URI is not accepted over the API" in refused[0]
+
+
+def test_a_wrong_kind_over_the_api_reports_its_sections_other_errors(api):
+    spec = {"name": "x", "schedule": {"type": "syncc", "num_steps": -1}}
+    errors = field_errors(api.post("/api/v1/jobs/validate", json={"spec": spec}))
+    assert "does not match any of the expected tags" in errors["body.spec.schedule"], errors
+    assert errors["body.spec.schedule.num_steps"] == "Input should be greater than 0", errors

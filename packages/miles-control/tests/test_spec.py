@@ -261,3 +261,16 @@ def test_relative_paths_are_the_job_files_and_set_values_the_working_directorys(
     assert spec.data.path == "org/dataset" and spec.data.chat_template == "model"  # a Hub id, a named choice
     local = write(jobs, "name: x\ndata:\n  source: hf\n  path: data/train.jsonl\n")
     assert load_spec(local).data.path == str(jobs / "data" / "train.jsonl")  # names a file beside the job file
+
+
+def test_a_wrong_kind_hides_no_other_error_of_its_section(tmp_path):
+    """A section whose `type` names no kind is refused for it, and its other fields are still checked: an error every
+    kind would report is reported too (not found only after the type is fixed); a field valid under some kind is not
+    an error."""
+    text = "name: x\nschedule: {type: syncc, num_steps: -1}\ntrain: {backend: {type: fsdp3, world_size: 0}}\n"
+    errors = errors_of(write(tmp_path, text))
+    assert any(e.startswith("schedule: Input tag 'syncc'") for e in errors), errors
+    assert "schedule.num_steps: Input should be greater than 0" in errors, errors
+    assert "train.backend.world_size: Input should be greater than or equal to 1" in errors, errors
+    errors = errors_of(write(tmp_path, "name: x\nschedule: {type: syncc, max_staleness: 2}\n"))
+    assert len(errors) == 1 and errors[0].startswith("schedule: Input tag"), errors  # fully_async has it

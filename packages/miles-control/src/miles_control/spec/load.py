@@ -150,12 +150,50 @@ def explain(err: Any, root: type[BaseModel] | None = None) -> str:
     return err["msg"]
 
 
+def _kinds_at(loc: tuple[Any, ...] | list[Any], root: type[BaseModel]) -> list[type[BaseModel]]:
+    """The kinds of the discriminated union that the section at `loc` holds (more than one), else []."""
+    current = [root]
+    for part in loc:
+        fields = [m.model_fields[part] for m in current if part in m.model_fields]
+        if fields:
+            current = [m for f in fields for m in _models(f.annotation)]
+        elif not isinstance(part, int):  # a list index stays on the list's item kinds
+            return []
+    return current if len(current) > 1 else []
+
+
+def kind_errors(err: Any, data: Any, root: type[BaseModel] | None = None) -> list[dict[str, Any]]:
+    """For a section whose kind (`type`, `source`, `transport`) is not one of its union's: the errors its other
+    fields have under every kind, which the wrong tag would otherwise hide (a `num_steps: -1` beside
+    `type: syncc`); pydantic-shaped, located in the whole spec. [] for any other error."""
+    if err.get("type") != "union_tag_invalid":
+        return []
+    loc, section = tuple(err["loc"]), data
+    for part in loc:
+        section = section.get(part) if isinstance(section, dict) else None
+    kinds = _kinds_at(loc, root or JobSpec)
+    tag_field = str((err.get("ctx") or {}).get("discriminator", "")).strip("'")
+    if not isinstance(section, dict) or not kinds or not tag_field:
+        return []
+    common: set[tuple[tuple[Any, ...], str, str]] | None = None
+    for kind in kinds:
+        try:
+            kind.model_validate({**section, tag_field: _tag(kind)})
+            return []  # valid under some kind: nothing but the tag is wrong
+        except ValidationError as exc:
+            found = {(tuple(e["loc"]), e["type"], e["msg"]) for e in exc.errors() if e["type"] != "extra_forbidden"}
+        common = found if common is None else common & found
+    return [{"loc": (*loc, *where), "type": kind, "msg": msg} for where, kind, msg in sorted(common or set(), key=str)]
+
+
 def format_validation_error(exc: ValidationError, data: Any = None) -> list[str]:
-    """One line per error, `field.path: message`, the path as written in `data` (the validated input)."""
+    """One line per error, `field.path: message`, the path as written in `data` (the validated input); a section of
+    a wrong kind also gets the errors its other fields have under every kind (`kind_errors`)."""
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in input_loc(err["loc"], data, err["type"])) or "(top level)"
-        lines.append(f"{where}: {explain(err)}")
+        for one in [err, *kind_errors(err, data)]:
+            where = ".".join(str(p) for p in input_loc(one["loc"], data, one["type"])) or "(top level)"
+            lines.append(f"{where}: {explain(one)}")
     return lines
 
 

@@ -27,7 +27,7 @@ from miles_control.service.api.schemas import Health, PresetPublic
 from miles_control.service.launch import Launcher
 from miles_control.service.settings import ServerSettings
 from miles_control.service.store import JobStatus, Store
-from miles_control.spec.load import explain, input_loc
+from miles_control.spec.load import explain, input_loc, kind_errors
 
 log = logging.getLogger(__name__)
 
@@ -172,12 +172,17 @@ async def _validation_error(request, exc: RequestValidationError) -> JSONRespons
     """FastAPI's 422 (one entry per field, with `loc` and `msg`), safe for any input it echoes. A location in the
     body is given as the body spells it (without the tags of discriminated unions); an unknown field of a job spec
     gets a hint (the near miss it may be, or the kinds of section that have it)."""
+    found = list(exc.errors())
+    spec = exc.body.get("spec") if isinstance(exc.body, dict) else None
+    for e in list(found):  # a section of a wrong kind: the errors the wrong tag would hide, too
+        if tuple(e.get("loc", ()))[:2] == ("body", "spec"):
+            found += [{**k, "loc": ("body", "spec", *k["loc"])} for k in kind_errors({**e, "loc": e["loc"][2:]}, spec)]
     errors = [
         {**e, "loc": ("body", *input_loc(e["loc"][1:], exc.body, e["type"]))}
         | ({"msg": explain({**e, "loc": e["loc"][2:]})} if e["loc"][1:2] == ("spec",) else {})  # "did you mean"
         if e.get("loc", ())[:1] == ("body",)
         else e
-        for e in exc.errors()
+        for e in found
     ]
     return JSONResponse({"detail": _finite(errors)}, status_code=422)  # not jsonable_encoder: it decodes bytes strictly
 
