@@ -174,6 +174,7 @@ def test_launch_watch_timeline_and_tune_in_a_browser(stack):
     shot(page, "7b-compare-config-diff")
 
 
+@pytest.mark.extended  # the banner and its going are in test_every_page_says_the_api_is_down_...; this adds the list
 def test_pages_refresh_by_themselves_and_ride_out_an_api_outage(stack):
     """The jobs list shows a job created elsewhere without any input; when the API stops the page keeps its data
     under a "disconnected — retrying" banner, and the banner goes once the API is back."""
