@@ -168,19 +168,19 @@ def to_target(run: dict, target: float, eval_s: dict[int, float] | None = None) 
     return reached, seconds
 
 
-def split(run: dict, peer: bool) -> tuple[float, float, float]:
-    """Mean seconds of a step (evaluation left out) and its generation and train parts."""
+def split(run: dict, peer: bool) -> tuple[float, float, float, float | None]:
+    """Mean seconds of a step (evaluation left out), its generation and train parts, and the rest: None for TRL,
+    whose step is timed as generation and everything else (its "train" holds its own bookkeeping; not measured
+    apart)."""
     steps = run["steps"][1:] or run["steps"]  # the first step warms caches up
     if peer:
         gen = statistics.mean(s.get("generate_s", 0.0) for s in steps)
         total = statistics.mean(s["seconds"] for s in steps)
-        return total, gen, total - gen
+        return total, gen, total - gen, None
     total = statistics.mean(s["seconds"] - s.get("eval", 0.0) for s in steps)
-    return (
-        total,
-        statistics.mean(s.get("rollout", 0.0) for s in steps),
-        statistics.mean(s.get("train", 0.0) for s in steps),
-    )
+    gen = statistics.mean(s.get("rollout", 0.0) for s in steps)
+    train = statistics.mean(s.get("train", 0.0) for s in steps)
+    return total, gen, train, total - gen - train
 
 
 def main() -> None:
@@ -212,10 +212,10 @@ def main() -> None:
             base = None
             for name, run, peer in runs:
                 steps, seconds = to_target(run, size["target"])
-                per, gen, train = split(run, peer)
+                per, gen, train, other = split(run, peer)
                 base = base or (per, seconds)
                 rows.append([round_, name, steps or "not reached", seconds if seconds is not None else "",
-                             per, gen, train, per - gen - train, per / base[0],
+                             per, gen, train, "(in train)" if other is None else other, per / base[0],
                              seconds / base[1] if seconds and base[1] else ""])  # fmt: skip
     header = ["round", "run", "steps to target", "s to target", "s per step", "generation", "train", "other",
               "per step vs TRL", "to target vs TRL"]  # fmt: skip

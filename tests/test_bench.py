@@ -306,3 +306,5 @@ def test_peer_bench_runs_trl_and_miles_on_the_same_task(tmp_path):
     for row in rows:  # a measured step time for each, and Miles' ratio to TRL's
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[4]) > 0 and float(cells[8]) > 0, row
+    trl_other = [c.strip() for c in rows[0].strip("|").split("|")][7]
+    assert trl_other == "(in train)", rows[0]  # TRL's rest of a step is not measured apart: never a 0
