@@ -66,7 +66,21 @@ def shot(page, name: str) -> None:
 
 
 def wait_text(page, pattern: str, timeout_s: float = 240) -> None:
-    page.get_by_text(re.compile(pattern)).first.wait_for(timeout=timeout_s * 1000)
+    """Wait for visible text matching `pattern`, in short waits: on a page that redraws every few seconds under
+    load, one long `wait_for` was seen to miss a header that a fresh look found at once. A screenshot on timeout
+    (artifacts/screenshots/timeout.png) shows what the page showed instead."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    text = page.get_by_text(re.compile(pattern))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            text.first.wait_for(timeout=5_000)
+            return
+        except PlaywrightTimeout:
+            if time.monotonic() > deadline:
+                shot(page, "timeout")
+                raise
 
 
 def sign_in(page, token: str) -> None:
@@ -74,6 +88,12 @@ def sign_in(page, token: str) -> None:
     page.get_by_label("Token").fill(token)
     page.get_by_role("button", name="Connect").click()
     page.get_by_label("Token").wait_for(state="detached")
+    # The cookie that keeps the sign-in is written by the page's script a moment after the redraw: a navigation
+    # before it lands would find no sign-in (the page asks again), so wait for it as a visitor's next click would.
+    deadline = time.monotonic() + 30
+    while not any(c["name"] == "miles_session" for c in page.context.cookies()):
+        assert time.monotonic() < deadline, "the sign-in cookie was never written"
+        time.sleep(0.1)
 
 
 def test_launch_watch_timeline_and_tune_in_a_browser(stack):
@@ -341,15 +361,23 @@ def test_the_job_page_follows_a_cancel_and_a_resume_to_the_end(stack):
     page = stack["page"]
     spec = yaml.safe_load((ROOT / "examples" / "quick.yaml").read_text())
     spec.update(name="follow-me")
-    spec["schedule"].update(num_steps=16, checkpoint_every=2)
+    # Steps of about 4 s here (256 prompts): the cancel must land before the job ends by itself (16-prompt steps
+    # of 0.3 s let a fast machine finish the job between the click and the cancel), with a checkpoint at each step.
+    spec["rollout"]["num_prompts_per_step"] = 256
+    spec["rollout"]["eval"]["every_steps"] = 100
+    spec["schedule"].update(num_steps=16, checkpoint_every=1)
     headers = {"Authorization": f"Bearer {stack['token']}"}
     job = httpx.post(f"{stack['api'].url}/api/v1/jobs", json={"spec": spec}, headers=headers).json()["id"]
     page.goto(stack["base"])
     sign_in(page, stack["token"])
     page.goto(f"{stack['base']}/job?job={job}")
-    wait_text(page, r"running · .*step ([2-9]|1[0-5])/16", timeout_s=300)  # past its first checkpoint
+    wait_text(page, r"running · .*step [1-6]/16", timeout_s=300)  # past its first checkpoint, 10 steps to go
     page.get_by_role("button", name="Cancel…").click()
-    page.get_by_role("button", name="Cancel the job").click()  # the confirmation
+    dialog = page.get_by_role("dialog")
+    dialog.wait_for()
+    time.sleep(4)  # longer than the page's refresh: the dialog stays open while the job runs on
+    dialog.get_by_role("button", name="Cancel the job").click()  # the confirmation
+    wait_text(page, r"Cancel requested|follow-me · cancelled", timeout_s=60)  # the click landed
     wait_text(page, r"follow-me · cancelled", timeout_s=240)  # the header, followed without a reload
     page.get_by_role("button", name="Resume").wait_for()
     page.get_by_role("button", name="Cancel…").wait_for(state="detached", timeout=60_000)  # the redraw done

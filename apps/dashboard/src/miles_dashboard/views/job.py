@@ -27,6 +27,11 @@ if picked is None:
 job_id = picked.id
 refresh = st.sidebar.toggle("Auto refresh while active", value=True, key="auto_refresh")
 drawn = client.job(job_id)  # what the page is drawn for: a change of status (or a new attempt) redraws it
+# While the cancel dialog is open the page holds still: a refresh would redraw the page without it, and a click on
+# "Cancel the job" in the moment of a refresh would be lost.
+confirming = st.session_state.get("confirm_cancel") == job_id and drawn.status in ACTIVE and not drawn.cancel_requested
+if not confirming:  # another job, or this one moved on: the question is no longer open
+    st.session_state.pop("confirm_cancel", None)
 
 
 def _state(job) -> tuple:
@@ -41,19 +46,27 @@ def follow() -> None:
         st.rerun()
 
 
-@st.dialog("Cancel this job?")
+def _ask_to_cancel() -> None:
+    st.session_state["confirm_cancel"] = job_id
+
+
+def _stop_asking() -> None:
+    st.session_state.pop("confirm_cancel", None)
+
+
+@st.dialog("Cancel this job?", on_dismiss=_stop_asking)
 def confirm_cancel(job) -> None:
     st.write(
         f"#{job.id} {job.name} stops at its next step boundary; a cancelled job can be resumed from its last checkpoint."
     )
     keep, stop = st.columns(2)
-    if stop.button("Cancel the job", type="primary", key="cancel_confirmed"):
+    if stop.button("Cancel the job", type="primary", key="cancel_confirmed", on_click=_stop_asking):
         _act(lambda: client.cancel(job.id), "cancel requested")
-    if keep.button("Keep it running", key="cancel_kept"):
+    if keep.button("Keep it running", key="cancel_kept", on_click=_stop_asking):
         st.rerun()
 
 
-@st.fragment(run_every=3 if refresh and drawn.status in ACTIVE else None)
+@st.fragment(run_every=3 if refresh and drawn.status in ACTIVE and not confirming else None)
 def show() -> None:
     job = client.job(job_id)
     head, actions = st.columns([4, 1])
@@ -76,6 +89,9 @@ def show() -> None:
             )
         )
     if job.status in ACTIVE and not job.cancel_requested and actions.button("Cancel…", key="cancel"):
+        _ask_to_cancel()
+        st.rerun(scope="app")  # the page again, holding still while the dialog is open
+    if confirming:
         confirm_cancel(job)
     if job.cancel_requested and job.status in ACTIVE:
         actions.caption("Cancel requested: stopping at the next step.")
