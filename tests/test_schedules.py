@@ -1,6 +1,7 @@
 """The schedules through `miles run`: overlap, the staleness bound, live changes, determinism of sync."""
 
 import math
+import re
 import subprocess
 import sys
 import time
@@ -57,8 +58,15 @@ def test_sync_is_deterministic_under_a_seed(tmp_path):
 
 
 def test_one_step_off_overlaps_and_stays_one_version_behind(tmp_path):
-    store = run(tmp_path, "rollout.engine.type=hf", "schedule.type=one_step_off", "schedule.num_steps=5")
+    store = run(
+        tmp_path, "rollout.engine.type=hf", "schedule.type=one_step_off", "schedule.num_steps=5", "ray.cpu_split=true"
+    )
     assert store.job(1).status == "succeeded", store.job(1).error
+    # the cores: halves at first, then the shares the measured stage costs give (on 2 cores, one each still)
+    splits = [e for e in store.events(1) if e.kind == "cpu_split"]
+    assert len(splits) == 2, [e.message for e in splits]
+    assert splits[0].message.startswith("trainer on cores"), splits[0].message
+    assert re.match(r"(kept|after) .*3 steps \(train [0-9.]+ s on \d+ cores, rollout [0-9.]+ s", splits[1].message)
     staleness = series(store, "async/staleness_max")
     assert len(staleness) == 5, staleness  # a value per step
     assert staleness[1] == 0 and all(staleness[s] <= 1 for s in staleness), staleness

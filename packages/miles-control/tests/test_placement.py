@@ -155,7 +155,7 @@ def test_no_core_is_idle_by_design_cpu_split_applies_only_where_stages_overlap()
     at once; under sync (they take turns) each stage keeps every core."""
     import os
 
-    from miles_control.job.runtime.job import cpu_plan
+    from miles_control.job.runtime.cpus import cpu_plan
     from miles_control.spec.config import JobSpec
 
     cores = sorted(os.sched_getaffinity(0))
@@ -169,3 +169,47 @@ def test_no_core_is_idle_by_design_cpu_split_applies_only_where_stages_overlap()
             assert split["trainer"] and split["rollout"] and not set(split["trainer"]) & set(split["rollout"])
             assert sorted(split["trainer"] + split["rollout"]) == cores  # every core to one stage or the other
         assert cpu_plan(JobSpec(name="x", schedule={"type": kind})) == {"trainer": None, "rollout": None}
+
+
+def test_the_split_follows_the_measured_stage_costs():
+    """Under an overlapped schedule the halves give way to shares that make both stages take as long: a trainer
+    that takes 3× the rollout's time on as many cores gets 3/4 of them; never fewer than one core each."""
+    from miles_control.job.runtime.cpus import split_cpus, trainer_share
+
+    sixteen = list(range(16))
+    assert split_cpus(0.5, sixteen) == {"trainer": list(range(8)), "rollout": list(range(8, 16))}
+    share = trainer_share(train_s=0.9, train_cores=8, rollout_s=0.3, rollout_cores=8)
+    assert share == pytest.approx(0.75)
+    assert split_cpus(share, sixteen) == {"trainer": list(range(12)), "rollout": list(range(12, 16))}
+    # measured on unequal cores: 1 s on 12 cores is more work than 1 s on 4
+    assert trainer_share(1.0, 12, 1.0, 4) == pytest.approx(0.75)
+    assert split_cpus(0.99, sixteen)["rollout"] == [15] and split_cpus(0.0, sixteen)["trainer"] == [0]
+    assert split_cpus(0.9, [0, 1]) == {"trainer": [0], "rollout": [1]}  # two cores: one each, whatever the costs
+    assert trainer_share(0.0, 1, 0.0, 1) == 0.5  # nothing measured: halves
+    with pytest.raises(ValueError, match="at least 2 CPU cores"):
+        split_cpus(0.5, [3])
+
+
+def test_repin_moves_a_process_its_threads_and_its_children():
+    """The cost-following split moves a running actor: its own cores, torch's threads and its servers' cores."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from miles_control.job.runtime.node import repin
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 CPU cores")
+    threads = torch.get_num_threads()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        repin(cores[-1:])
+        assert sorted(os.sched_getaffinity(0)) == cores[-1:] and torch.get_num_threads() == 1
+        assert sorted(os.sched_getaffinity(child.pid)) == cores[-1:]
+    finally:
+        child.kill()
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)

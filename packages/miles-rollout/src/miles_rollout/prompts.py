@@ -22,6 +22,7 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.template: str | None = None
+        self._ids: dict[str, list[int]] = {}  # text → ids, see encode
         if chat_template == "model":
             self.template = getattr(tokenizer, "chat_template", None)
             if not self.template:
@@ -65,10 +66,21 @@ class PromptEncoder:
         )
 
     def encode(self, record: PromptRecord, tools: list[dict] | None = None) -> list[int]:
-        if self.template is None:
-            return self.tokenizer.encode(self.text(record))
-        # The template writes the special tokens itself (a BOS, turn markers): none are added again.
-        return self.tokenizer.encode(self.text(record, tools), add_special_tokens=False)
+        """The prompt's ids. A group's samples share their prompt: its text is tokenized once (the last
+        `_KEEP_IDS` texts are remembered) and each caller gets its own copy."""
+        text = self.text(record, tools) if self.template is not None else self.text(record)
+        ids = self._ids.get(text)
+        if ids is None:
+            # The template writes the special tokens itself (a BOS, turn markers): none are added again.
+            ids = (
+                self.tokenizer.encode(text)
+                if self.template is None
+                else self.tokenizer.encode(text, add_special_tokens=False)
+            )
+            if len(self._ids) >= _KEEP_IDS:
+                self._ids.clear()
+            self._ids[text] = ids
+        return list(ids)
 
     def turn_ids(self, messages: list[dict], tools: list[dict] | None = None, model_end: str = "") -> list[int]:
         """The ids of environment turns (`messages`: tool results, user feedback) that follow a model turn, up to
@@ -100,4 +112,5 @@ class PromptEncoder:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
+_KEEP_IDS = 4096  # prompt texts whose ids an encoder remembers (a step's prompts, many times over)
 _PLACEHOLDER = "\u2063miles\u2063"  # invisible separators: text no template writes itself

@@ -23,20 +23,24 @@ class Collated:
 
 
 def collate(batch: TrainBatch, pad_token_id: int = 0) -> Collated:
-    rows = len(batch)
     width = max(len(ids) for ids in batch.input_ids)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((rows, width), dtype=torch.long)
-    loss_mask = torch.zeros((rows, width - 1), dtype=torch.float32)
-    rollout = torch.zeros((rows, width - 1), dtype=torch.float32)
-    for i, ids in enumerate(batch.input_ids):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention[i, : len(ids)] = 1
-        start = batch.response_start[i]  # token `start` is predicted at position start-1
-        stop = start - 1 + len(batch.loss_mask[i])
-        loss_mask[i, start - 1 : stop] = torch.tensor(batch.loss_mask[i], dtype=torch.float32)
-        rollout[i, start - 1 : stop] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
-    return Collated(input_ids, attention, input_ids[:, 1:], loss_mask, rollout, _routed(batch, width))
+    ids_rows, attention_rows, mask_rows, rollout_rows = [], [], [], []
+    for i, ids in enumerate(batch.input_ids):  # padded Python rows, then one tensor per field
+        ids_rows.append(list(ids) + [pad_token_id] * (width - len(ids)))
+        attention_rows.append([1] * len(ids) + [0] * (width - len(ids)))
+        before = batch.response_start[i] - 1  # token `start` is predicted at position start-1
+        after = width - 1 - before - len(batch.loss_mask[i])
+        mask_rows.append([0.0] * before + [float(m) for m in batch.loss_mask[i]] + [0.0] * after)
+        rollout_rows.append([0.0] * before + [float(x) for x in batch.rollout_logprobs[i]] + [0.0] * after)
+    input_ids = torch.tensor(ids_rows, dtype=torch.long)
+    return Collated(
+        input_ids,
+        torch.tensor(attention_rows, dtype=torch.long),
+        input_ids[:, 1:],
+        torch.tensor(mask_rows, dtype=torch.float32),
+        torch.tensor(rollout_rows, dtype=torch.float32),
+        _routed(batch, width),
+    )
 
 
 def _routed(batch: TrainBatch, width: int) -> torch.Tensor | None:
@@ -56,11 +60,11 @@ def response_layout(batch: TrainBatch, values: list[list[float]], fill: float = 
     """Per-response-token `values` (one list per row, one entry per response token) laid out like `collate`'s
     loss mask, [B, T-1]; `fill` elsewhere."""
     width = max(len(ids) for ids in batch.input_ids)
-    out = torch.full((len(batch), width - 1), fill, dtype=torch.float32)
+    rows = []
     for i, row in enumerate(values):
-        start = batch.response_start[i]
-        out[i, start - 1 : start - 1 + len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out
+        before = batch.response_start[i] - 1
+        rows.append([fill] * before + [float(v) for v in row] + [fill] * (width - 1 - before - len(row)))
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(batch), width - 1)
 
 
 def token_logprobs(

@@ -200,9 +200,10 @@ class RayConfig(_Strict):
     cpu_split: bool = Field(
         False,
         description="Pin trainer ranks and the rollout actor (with its SGLang servers) to disjoint CPU cores of "
-        "this machine (trainer: the first half), so that generation and training can overlap on a small machine. "
-        "Applied only where they overlap (one_step_off, fully_async): under sync the stages take turns and each "
-        "uses every core.",
+        "this machine, so that generation and training can overlap on a small machine. "
+        "Applied only where they overlap (one_step_off, fully_async), in halves and then, after 3 steps, in the "
+        "shares that make both stages take as long (from their measured busy time); under sync the stages take "
+        "turns and each uses every core.",
     )
 
 

@@ -192,9 +192,10 @@ class HFEngine:
             ).logits[:, -1]
         for step in range(sampling.max_new_tokens):
             tokens, logprobs = sample_next_token(logits, sampling, self._generator)
+            token_list, logprob_list = tokens.tolist(), logprobs.tolist()  # one copy each, not one per row
             for row in (~finished).nonzero().flatten().tolist():
-                out_ids[row].append(int(tokens[row]))
-                out_lps[row].append(float(logprobs[row]))
+                out_ids[row].append(token_list[row])
+                out_lps[row].append(logprob_list[row])
                 out_versions[row].append(version)
                 if not versions[row] or versions[row][-1] != version:
                     versions[row].append(version)

@@ -54,14 +54,17 @@ def _reduce(trainer: Trainer, values: list[float], op=dist.ReduceOp.SUM) -> list
 
 
 def _advantages(
-    trainer: Trainer, batch: TrainBatch, old_logprobs: torch.Tensor | None, values: torch.Tensor | None = None
+    trainer: Trainer,
+    batch: TrainBatch,
+    whole: Collated,
+    old_logprobs: torch.Tensor | None,
+    values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
     """[B, W] advantages of the whole batch from the objective (checked), W the batch's padded width − 1; for an
     objective with a critic (`values`: the critic's, [B, W]), the critic's targets; and for one that reads a frozen
     model (distill), the mean KL to it."""
     algorithm = trainer.config.algorithm
     kl_coef = algorithm.kl_coef
-    whole = collate(batch, trainer.pad_token_id)
     mask = whole.loss_mask
     penalty = old = ref = None
     wanted = trainer.objective.needs_logprobs
@@ -131,7 +134,8 @@ def train_step(trainer: Trainer, batch: TrainBatch) -> dict[str, float]:
     # The ratio's denominator is the policy the engines ran: the weights as pushed, whatever the forward uses.
     old_logprobs = trainer._padded_logprobs(batch, as_pushed=True) if trainer._recompute_old else None
     old_values = trainer._padded_values(batch) if trainer.critic is not None else None
-    advantages, targets, frozen_kl = _advantages(trainer, batch, old_logprobs, old_values)
+    whole = collate(batch, trainer.pad_token_id)  # the batch collated once: advantages, masks of the metrics
+    advantages, targets, frozen_kl = _advantages(trainer, batch, whole, old_logprobs, old_values)
     critic_sums, critic_norms = dict.fromkeys(CRITIC_SUMS, 0.0), []
     before = [p.detach().clone() for p in trainer._param_shards()] if trainer.push_dtype is not None else None
     skips = trainer.backend.overflow_skips
@@ -175,7 +179,7 @@ def train_step(trainer: Trainer, batch: TrainBatch) -> dict[str, float]:
     if grad_norms:  # none when every minibatch's step was skipped (fp16 overflow): unmeasured, not 0.0
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["train/num_tokens"] = total_tokens
-    full_mask = collate(batch, trainer.pad_token_id).loss_mask
+    full_mask = whole.loss_mask
     metrics["train/advantage_abs_mean"] = float((advantages.abs() * full_mask).sum() / full_mask.sum().clamp(min=1))
     if trainer.critic is not None:
         assert targets is not None and old_values is not None

@@ -13,6 +13,7 @@ from typing import Any
 from miles_control.job.convert import rollout_metrics, staleness_metrics, to_train_batch
 from miles_control.job.placement import engine_gpu_ids, make_plan, rollout_options
 from miles_control.job.recorder import Recorder
+from miles_control.job.runtime.cpus import COST_STEPS, cpu_plan, split_cpus, trainer_share
 from miles_control.job.runtime.pushes import Pushes
 from miles_control.job.runtime.trainers import TrainerGroup
 from miles_control.job.runtime.workers import Evaluated, RolloutWorker, TakenBatch
@@ -58,24 +59,6 @@ def ensure_ray(config: RayConfig) -> bool:
     return True
 
 
-def cpu_plan(spec: JobSpec) -> dict[str, list[int] | None]:
-    """The cores of the trainer ranks and of the rollout actor (None: not pinned, every core). No core is idle by
-    design: `ray.cpu_split` splits the machine only where the stages run at the same time (the overlapped
-    schedules); where they take turns (sync) each stage gets every core while the other waits."""
-    if spec.ray.cpu_split and spec.schedule.overlaps_stages:
-        return dict(split_cpus())
-    return {"trainer": None, "rollout": None}
-
-
-def split_cpus() -> dict[str, list[int]]:
-    """Disjoint cores of this machine: the trainer the first half, rollout the rest (at least one each)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise ValueError(f"ray.cpu_split needs at least 2 CPU cores; this process may use {cores}")
-    half = len(cores) // 2
-    return {"trainer": cores[:half], "rollout": cores[half:]}
-
-
 class JobRuntime:
     """The stages of one job, each recorded as a span: generate, train, push weights, evaluate."""
 
@@ -118,6 +101,8 @@ class JobRuntime:
             log.warning(message)
             recorder.event("warning", message)
         self.cpu_split = cpu_plan(spec)
+        self.stage_seconds: dict[str, list[float]] = {"rollout": [], "train": []}  # busy time of each stage
+        self._costs_followed = False
         if spec.ray.cpu_split:
             placed = self.cpu_split["trainer"] is not None
             recorder.event(
@@ -196,6 +181,34 @@ class JobRuntime:
         """The version of the last push if it has not landed yet (for the rollout actor to wait for), else 0."""
         return self.pushes.in_flight_version()
 
+    def follow_stage_costs(self, step: int) -> None:
+        """Once, after `COST_STEPS` steps of an overlapped schedule under `ray.cpu_split`: split the cores in the
+        shares that make both stages take as long (their busy seconds per step × the cores they had), and move
+        the trainer ranks and the rollout actor (with its engine's servers) there. The event says what was
+        measured and what it chose."""
+        split = self.cpu_split
+        if self._costs_followed or step < COST_STEPS or split["trainer"] is None or split["rollout"] is None:
+            return
+        self._costs_followed = True
+        train_s = sum(self.stage_seconds["train"]) / max(len(self.stage_seconds["train"]), 1)
+        rollout_s = sum(self.stage_seconds["rollout"]) / max(len(self.stage_seconds["train"]), 1)
+        share = trainer_share(train_s, len(split["trainer"]), rollout_s, len(split["rollout"]))
+        new = split_cpus(share, split["trainer"] + split["rollout"])
+        measured = f"train {train_s:.3f} s on {len(split['trainer'])} cores, rollout {rollout_s:.3f} s on {len(split['rollout'])} per step"
+        if new == split:
+            self.recorder.event("cpu_split", f"kept after {step} steps ({measured})", **split)
+            return
+        import ray
+
+        self.trainer.repin(new["trainer"])
+        ray.get(self.rollout.repin.remote(new["rollout"]))
+        self.cpu_split = new
+        self.recorder.event(
+            "cpu_split",
+            f"after {step} steps ({measured}): trainer on cores {new['trainer']}, rollout on {new['rollout']}",
+            **new,
+        )
+
     def collect(self, step: int, ref):
         import ray
 
@@ -208,6 +221,8 @@ class JobRuntime:
         self.prompts_used += int(batch.metrics.get("rollout/prompts_drawn", 0))
         for t in batch.timings:
             worker = "trainer" if t.stage == "wait_rollout" else "rollout-0"
+            if t.stage == "rollout":
+                self.stage_seconds["rollout"].append(t.end - t.start)
             self.recorder.span(t.stage, step, worker, t.start, t.end, num_tokens=t.num_tokens)
         self.recorder.samples(step, batch.samples, self.spec.store.samples_per_step)
         return batch
@@ -275,6 +290,7 @@ class JobRuntime:
         metrics |= self.recorder.engine_restarts(step, ray.get(self.rollout.engine_restarts.remote()))
         num_tokens = int(metrics["train/num_tokens"])
         self.recorder.span("train", step, "trainer", result.start, result.end, num_tokens=num_tokens)
+        self.stage_seconds["train"].append(result.end - result.start)
         metrics["train/tokens_per_s"] = num_tokens / max(result.end - result.start, 1e-9)
         self._warn_if_update_lost(step, metrics.get("train/update_kept_frac"))
         return metrics

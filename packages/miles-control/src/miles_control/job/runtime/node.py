@@ -25,6 +25,19 @@ def pin_to(cpus: list[int] | None) -> None:
         torch.set_num_threads(len(cpus))
 
 
+def repin(cpus: list[int]) -> None:
+    """Move this process, its torch threads and the processes it started (an engine's servers, which keep the
+    thread count they started with) to `cpus`: the split following the measured stage costs."""
+    import psutil
+
+    pin_to(cpus)
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.cpu_affinity(cpus)
+        except psutil.Error:  # gone meanwhile
+            pass
+
+
 def node_id() -> str:
     """The Ray node this process runs on."""
     import ray

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_control.job.placement import Plan, engine_gpu_ids
 from miles_control.job.runtime.answers import Evaluated, TakenBatch
-from miles_control.job.runtime.node import node_id, pin_to
+from miles_control.job.runtime.node import node_id, pin_to, repin
 from miles_control.job.runtime.usage import ProcessUsage, prefixed
 from miles_rollout.protocol import ReleasesMemory
 from miles_rollout.push import Landed, land
@@ -97,6 +97,10 @@ class RolloutWorker:
     def node_id(self) -> str:
         """The Ray node this actor runs on."""
         return node_id()
+
+    def repin(self, cpus: list[int]) -> None:
+        """This actor and its engine's servers on `cpus` from now on (the cost-following CPU split)."""
+        repin(cpus)
 
     def usage(self) -> dict[str, float]:
         """This actor's CPU and memory with its engines' (SGLang servers are its children) since the last call."""

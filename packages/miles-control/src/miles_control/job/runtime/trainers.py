@@ -54,6 +54,12 @@ class TrainerGroup:
             for rank in range(world_size)
         ]
 
+    def repin(self, cpus: list[int]) -> None:
+        """Every rank to `cpus` from now on."""
+        import ray
+
+        ray.get([rank.repin.remote(cpus) for rank in self.ranks])
+
     def node_ids(self) -> list[str]:
         """The Ray node of each rank, in rank order."""
         import ray

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from miles_control.job.runtime.answers import Evaluated, Published, TakenBatch, Timed, TrainResult
-from miles_control.job.runtime.node import free_port_and_ip, node_id, pin_to
+from miles_control.job.runtime.node import free_port_and_ip, node_id, pin_to, repin
 from miles_control.job.runtime.rollout_worker import RolloutWorker
 from miles_control.job.runtime.usage import ProcessUsage, gpu_memory_mb, prefixed
 
@@ -78,6 +78,10 @@ class TrainerWorker:
     def node_id(self) -> str:
         """The Ray node this rank runs on."""
         return node_id()
+
+    def repin(self, cpus: list[int]) -> None:
+        """Run on `cpus` from now on (the cost-following CPU split)."""
+        repin(cpus)
 
     def train_step(self, batch) -> TrainResult:
         """One optimizer step on `batch`, with this rank's resource use since the last step."""

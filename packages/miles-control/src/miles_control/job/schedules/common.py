@@ -71,4 +71,5 @@ def finish_step(
     rt.recorder.step(step, rt.weight_version, step_start, time.time())
     rt.recorder.metrics(step, metrics)
     rt.checkpoint_if_due(step)
+    rt.follow_stage_costs(step)
     on_step(step, {**metrics, **evaluated})
