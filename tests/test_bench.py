@@ -2,6 +2,7 @@
 
 import math
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -308,3 +309,17 @@ def test_peer_bench_runs_trl_and_miles_on_the_same_task(tmp_path):
         assert float(cells[4]) > 0 and float(cells[8]) > 0, row
     trl_other = [c.strip() for c in rows[0].strip("|").split("|")][7]
     assert trl_other == "(in train)", rows[0]  # TRL's rest of a step is not measured apart: never a 0
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/sandbox.sh)")
+def test_sandbox_bench_reports_throughput_and_overhead_against_bare_python(tmp_path):
+    out = tmp_path / "sandbox.md"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "sandbox.py"), "--n", "12", "--pools", "1", "2", "--out",
+                    str(out)], check=True, cwd=ROOT, timeout=300)  # fmt: skip
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| bare") or line.startswith("| sandbox")]  # fmt: skip
+    assert [(r[0], r[1]) for r in rows] == [("bare python -c", "1"), ("sandbox, tool none", "1"),
+                                            ("sandbox, tool none", "2"), ("sandbox, tool bwrap", "1"),
+                                            ("sandbox, tool bwrap", "2")]  # fmt: skip
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[3]) > 0 and float(row[4]) > 0, row  # measured, each of them

@@ -80,6 +80,28 @@ class RemoteRewardConfig(_Strict):
         return self
 
 
+class CodeSandboxConfig(_Strict):
+    """The sandbox of `rollout.reward: code` (`miles_rollout.sandbox`): isolation, limits of one execution, the pool."""
+
+    tool: Literal["bwrap", "none"] = Field(
+        "bwrap",
+        description="bwrap: bubblewrap's namespaces (no network, only /usr of the host, read-only, an empty /tmp, "
+        "no environment); none: the limits alone, without isolation (for machines where bubblewrap cannot run).",
+    )
+    python: str = Field("/usr/bin/python3", description="The interpreter, under /usr (the only host folder mounted).")
+    workers: int = Field(2, gt=0, description="Executions at once.")
+    queue: int = Field(256, gt=0, description="Executions waiting for a worker before the rollout waits too.")
+    cpu_s: int = Field(5, gt=0, description="CPU seconds of one execution.")
+    wall_s: float = Field(10.0, gt=0, description="Wall seconds of one execution.")
+    memory_mb: int = Field(512, ge=64, description="Address space of one execution.")
+    processes: int = Field(16, gt=0, description="Processes of one execution (enforced where Miles runs as root).")
+    output_bytes: int = Field(65536, gt=0, description="Output read back; past it the execution is killed.")
+    file_mb: int = Field(16, gt=0, description="Size of its /tmp and of any file it writes.")
+    score: Literal["fraction", "all"] = Field(
+        "fraction", description="fraction: the share of test cases passed; all: 1 only when every case passes."
+    )
+
+
 class DynamicSamplingConfig(_Strict):
     """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards all agree carry no advantage, so they are
     dropped, and the step is filled with informative groups instead. Each round launches `oversample` × the groups
@@ -129,6 +151,9 @@ class RolloutConfig(_Strict):
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     remote_reward: RemoteRewardConfig | None = Field(None, description="The service of `reward: remote`.")
+    code_sandbox: CodeSandboxConfig = Field(
+        default_factory=CodeSandboxConfig, description="The sandbox of `reward: code` (model-written Python, tested)."
+    )
     dynamic_sampling: DynamicSamplingConfig | None = Field(
         None, description="Drop groups whose rewards all agree and fill the step with informative ones (None: off)."
     )

@@ -137,12 +137,17 @@ async def _awaited(value: Any) -> Any:
 
 
 def registered_rewards() -> list[str]:
-    return sorted([*_REGISTRY, "remote"])
+    return sorted([*_REGISTRY, "remote", "code"])
 
 
-def resolve_reward(name_or_path: str, remote: Any = None) -> RewardFn:
+def resolve_reward(name_or_path: str, remote: Any = None, code_sandbox: Any = None) -> RewardFn:
     """A registered name, else a dotted path; the result must be callable. `remote`: `rollout.remote_reward`
-    (the `remote` reward's service)."""
+    (the `remote` reward's service); `code_sandbox`: `rollout.code_sandbox` (the `code` reward's sandbox)."""
+    if name_or_path == "code":
+        from miles_rollout.code_reward import CodeReward
+        from miles_rollout.config import CodeSandboxConfig
+
+        return CodeReward(code_sandbox if code_sandbox is not None else CodeSandboxConfig())
     if name_or_path == "remote":
         if remote is None:
             raise ValueError("reward 'remote' needs rollout.remote_reward (the service's url)")

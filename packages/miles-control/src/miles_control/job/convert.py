@@ -48,6 +48,8 @@ def token_staleness(samples: list[Sample], staleness: list[int]) -> list[list[in
 
 
 def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
+    from miles_rollout.code_reward import code_metrics
+
     samples = batch.samples
     rewards = [s.reward for s in samples]
     mean = sum(rewards) / len(rewards)
@@ -58,6 +60,7 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     return (
         batch.metrics
         | episode_metrics(batch)
+        | code_metrics(batch.samples)
         | {
             "rollout/reward_mean": mean,
             "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,

@@ -80,12 +80,19 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     check_precision(spec, model_path)
     check_quantization(spec, hf_config)
     try:
-        reward = resolve_reward(spec.rollout.reward, spec.rollout.remote_reward)
+        reward = resolve_reward(spec.rollout.reward, spec.rollout.remote_reward, spec.rollout.code_sandbox)
         if spec.rollout.reward not in registered_rewards() and prompts:  # a user's reward: tried on the data now
             # an episode's reward reads its transcript, which only a rollout makes: its signature is checked alone
             probe_reward(reward, spec.rollout.reward, prompts[0], call=spec.rollout.environment is None)
     except ValueError as exc:
         raise JobCheckError(f"rollout.reward: {exc}") from None
+    if spec.rollout.reward == "code":  # the sandbox can run here (the tool, the interpreter), before any engine
+        from miles_rollout.sandbox import SandboxError, check_sandbox
+
+        try:
+            check_sandbox(spec.rollout.code_sandbox.tool, spec.rollout.code_sandbox.python)
+        except SandboxError as exc:
+            raise JobCheckError(f"rollout.code_sandbox.{exc}") from None
     check_episodes(spec, hf_config)
     if spec.train.teacher is not None:
         check_teacher(spec, hf_config)
