@@ -140,6 +140,9 @@ class FakeRuntime:
         self.log.append(("eval", step, result.metrics["eval/accuracy"]))
         return result.metrics
 
+    def follow_stage_costs(self, step: int) -> None:
+        self.log.append(("costs", step, None))  # the real one re-splits the cores once (job/runtime/cpus.py)
+
     def checkpoint_if_due(self, step: int) -> None:
         every = self.spec.schedule.checkpoint_every
         if every and step % every == 0:
@@ -192,6 +195,7 @@ def test_one_step_off_trains_one_version_behind(tmp_path, clock):
     assert [d["staleness"] for _, d in rt.of("train")] == [[0] * 4] + [[1] * 4] * 5
     assert [d["version"] for _, d in rt.of("push")] == [1, 2, 3, 4, 5, 6]
     assert len(rt.of("generate")) == 6  # the batch after the last step is not generated
+    assert [step for step, _ in rt.of("costs")] == [1, 2, 3, 4, 5, 6]  # the CPU split may follow the costs each step
 
 
 def test_one_step_off_takes_a_live_interval_change_at_the_next_step(tmp_path, clock):

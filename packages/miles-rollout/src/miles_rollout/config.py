@@ -89,14 +89,20 @@ class CodeSandboxConfig(_Strict):
         "no environment); none: the limits alone, without isolation (for machines where bubblewrap cannot run).",
     )
     python: str = Field("/usr/bin/python3", description="The interpreter, under /usr (the only host folder mounted).")
-    workers: int = Field(2, gt=0, description="Executions at once.")
-    queue: int = Field(256, gt=0, description="Executions waiting for a worker before the rollout waits too.")
-    cpu_s: int = Field(5, gt=0, description="CPU seconds of one execution.")
-    wall_s: float = Field(10.0, gt=0, description="Wall seconds of one execution.")
-    memory_mb: int = Field(512, ge=64, description="Address space of one execution.")
-    processes: int = Field(16, gt=0, description="Processes of one execution (enforced where Miles runs as root).")
-    output_bytes: int = Field(65536, gt=0, description="Output read back; past it the execution is killed.")
-    file_mb: int = Field(16, gt=0, description="Size of its /tmp and of any file it writes.")
+    workers: int = Field(2, gt=0, le=256, description="Executions at once.")
+    queue: int = Field(
+        256, gt=0, le=100_000, description="Executions waiting for a worker before the rollout waits too."
+    )
+    cpu_s: int = Field(5, gt=0, le=3600, description="CPU seconds of one execution.")
+    wall_s: float = Field(10.0, gt=0, le=3600, description="Wall seconds of one execution.")
+    memory_mb: int = Field(512, ge=64, le=65536, description="Address space of one execution.")
+    processes: int = Field(
+        16, gt=0, le=4096, description="Processes of one execution (enforced where Miles runs as root)."
+    )
+    output_bytes: int = Field(
+        65536, gt=0, le=64 * 1024 * 1024, description="Output read back; past it the execution is killed."
+    )
+    file_mb: int = Field(16, gt=0, le=4096, description="Size of its /tmp and of any file it writes.")
     score: Literal["fraction", "all"] = Field(
         "fraction", description="fraction: the share of test cases passed; all: 1 only when every case passes."
     )
