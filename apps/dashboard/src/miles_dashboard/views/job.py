@@ -18,6 +18,7 @@ from miles_dashboard.charts import (
     spans_frame,
 )
 from miles_dashboard.common import ACTIVE, RETRY_S, api, attempt_starts, choose_job, clock, rows, status_text, timing
+from miles_dashboard.job_text import readable_log, stored_of
 
 client = api()
 st.title("Job")
@@ -215,7 +216,7 @@ def show() -> None:
             # the latest step by default, and again when a newer one arrives
             step = st.selectbox("Step", steps, key=f"sample_step-{job_id}-{steps[0]}")
             of_step = [s for s in samples if s["step"] == step]
-            st.caption(_stored_of(job, len(of_step)))
+            st.caption(stored_of(job, len(of_step)))
             _samples(of_step, f"tab-{job_id}")
     with tabs[6]:
         events = sorted(all_events, key=lambda e: e["created_at"], reverse=True)
@@ -233,27 +234,6 @@ def show() -> None:
         st.code(yaml.safe_dump(job.spec, sort_keys=False), language="yaml")
     with tabs[9]:
         _resources(points, changes)
-
-
-def _stored_of(job, stored: int) -> str:
-    """How many of a step's samples the job stores (`store.samples_per_step`) against how many it generated."""
-    rollout = job.spec.get("rollout", {})
-    generated = rollout.get("num_prompts_per_step", 0) * rollout.get("samples_per_prompt", 0)
-    per_step = job.spec.get("store", {}).get("samples_per_step")
-    of = f" of the {generated} it generated" if generated else ""
-    return (
-        f"{stored} sample(s) of this step stored{of}: the job keeps `store.samples_per_step` = {per_step} a step "
-        "(the first groups of each batch); raise it in the spec to keep more."
-    )
-
-
-NOISE = ("INFO  [alembic", "INFO [alembic")  # the store's schema check at start-up, not the job's own output
-
-
-def _readable_log(text: str, newest_first: bool) -> str:
-    """A log as a person reads it: without the store's set-up lines, and (by default) the newest line first."""
-    lines = [line for line in text.splitlines() if not line.startswith(NOISE)]
-    return "\n".join(lines[::-1] if newest_first else lines)
 
 
 RESOURCES = {"cpu_pct": "CPU (% of one core)", "rss_mb": "resident memory (MB)", "gpu_mem_mb": "GPU memory (MB)"}
@@ -373,7 +353,7 @@ def _logs(job) -> None:
         f"{whose}, attempt {attempt} of {len(numbers)} (the last {kib} KiB"
         + ("; it follows the job while it runs)" if job.status in ACTIVE else ")")
     )
-    st.code(_readable_log(text, newest_first) or "(empty)", language="log")
+    st.code(readable_log(text, newest_first) or "(empty)", language="log")
 
 
 def _act(call, done: str) -> None:

@@ -221,7 +221,7 @@ class JobRuntime:
         self.prompts_used += int(batch.metrics.get("rollout/prompts_drawn", 0))
         for t in batch.timings:
             worker = "trainer" if t.stage == "wait_rollout" else "rollout-0"
-            if t.stage == "rollout":
+            if t.stage == "rollout" and not self._costs_followed:  # kept only until the split follows them
                 self.stage_seconds["rollout"].append(t.end - t.start)
             self.recorder.span(t.stage, step, worker, t.start, t.end, num_tokens=t.num_tokens)
         self.recorder.samples(step, batch.samples, self.spec.store.samples_per_step)
@@ -290,7 +290,8 @@ class JobRuntime:
         metrics |= self.recorder.engine_restarts(step, ray.get(self.rollout.engine_restarts.remote()))
         num_tokens = int(metrics["train/num_tokens"])
         self.recorder.span("train", step, "trainer", result.start, result.end, num_tokens=num_tokens)
-        self.stage_seconds["train"].append(result.end - result.start)
+        if not self._costs_followed:
+            self.stage_seconds["train"].append(result.end - result.start)
         metrics["train/tokens_per_s"] = num_tokens / max(result.end - result.start, 1e-9)
         self._warn_if_update_lost(step, metrics.get("train/update_kept_frac"))
         return metrics
