@@ -45,6 +45,7 @@ def check_episodes(store: Store) -> None:
         assert s.num_tokens > 0 and len(s.logprobs) == min(s.num_tokens, 1024)
 
 
+@pytest.mark.extended  # episodes through miles run: the calculator's learning run and the verifiers job (test_hubs.py)
 def test_feedback_episodes_run_through_miles_run(tmp_path):
     """Three steps of examples/episodes/feedback.yaml on the default engine (sglang where installed, as in CI):
     episodes go from the environment through the engine and the trainer to the store, turn by turn."""

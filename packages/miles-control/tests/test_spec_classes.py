@@ -56,6 +56,12 @@ def test_every_path_like_field_is_in_the_path_table():
     }  # fmt: skip
     not_paths |= {("model", "dtype"), ("sync", "compression"), ("tracking", "*", "project")}  # "a folder" in prose
     not_paths.add(("rollout", "code_sandbox", "python"))  # an interpreter under /usr, checked by the sandbox itself
+    # a hub environment's module id, ASGI app and server URL: imported or reached, never opened as files
+    not_paths |= {
+        ("rollout", "environment", "id"),
+        ("rollout", "environment", "app"),
+        ("rollout", "environment", "url"),
+    }
     found = set()
     for loc, field in spec_fields():
         if str not in _types(field.annotation) or loc in not_paths:
@@ -145,6 +151,7 @@ def _validate_some_kind(data: dict[str, Any], loc: tuple[str, ...]) -> None:
         ("schedule",): ("type", ["sync", "one_step_off", "fully_async"]),
         ("sync",): ("transport", ["disk", "tensor", "broadcast", "p2p", "inproc"]),
         ("model",): ("source", ["builtin", "path", "package", "hub"]),
+        ("rollout", "environment"): ("type", ["verifiers", "openenv"]),
     }
     for section, (tag, names) in kinds.items():
         if loc[: len(section)] == section and len(loc) == len(section) + 1:

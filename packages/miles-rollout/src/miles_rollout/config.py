@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -108,6 +108,60 @@ class CodeSandboxConfig(_Strict):
     )
 
 
+class VerifiersEnvironment(_Strict):
+    """An environment of Prime Intellect's `verifiers` (PyPI `verifiers`, its classic API): `load_environment(id,
+    **args)` makes it; its episodes run on Miles' engines through its own rollout loop, its rubric scores them."""
+
+    type: Literal["verifiers"]
+    id: str = Field(
+        min_length=1,
+        description="The environment's id, as `vf-install` names it: the module `id` (dashes read as underscores) "
+        "with a `load_environment` function, installed or in the job's plugin folders.",
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of its load_environment.")
+
+
+class OpenEnvEnvironment(_Strict):
+    """An environment served by Meta's OpenEnv (PyPI `openenv`): Miles starts its server as a local process (`app`)
+    or attaches to one (`url`), and holds one WebSocket session per episode."""
+
+    type: Literal["openenv"]
+    app: str | None = Field(
+        None,
+        description="The server's ASGI app as `module:attribute` (what `uvicorn module:attribute` serves, made with "
+        "openenv's create_app); Miles starts it on a free local port, one per rollout process, and restarts it when "
+        "it dies.",
+    )
+    url: str | None = Field(None, description="An OpenEnv server already running (http:// or https://).")
+    action_field: str = Field(
+        "message", min_length=1, description="The action's field that holds the model's text (EchoAction: message)."
+    )
+    action_args: dict[str, Any] = Field(default_factory=dict, description="Fixed fields of every action besides it.")
+    observation_field: str | None = Field(
+        None,
+        description="The observation's field shown to the model as its next user turn; None: the observation's "
+        "fields other than reward, done and metadata, as JSON.",
+    )
+    reset_args: dict[str, Any] = Field(default_factory=dict, description="Sent with every reset (seed, task, ...).")
+    start_timeout_s: float = Field(60.0, gt=0, le=3600, description="How long a started server may take to answer.")
+    retries: int = Field(
+        1, ge=0, le=10, description="Restarts of a dead server for one episode's reset before the episode is dropped."
+    )
+
+    @model_validator(mode="after")
+    def _one_server(self) -> OpenEnvEnvironment:
+        if (self.app is None) == (self.url is None):
+            raise ValueError("give app (a server Miles starts) or url (one running), not both and not neither")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url: {self.url!r} is not an http:// or https:// URL")
+        if self.app is not None and ":" not in self.app:
+            raise ValueError(f"app: {self.app!r} is not `module:attribute`")
+        return self
+
+
+HubEnvironment = Annotated[VerifiersEnvironment | OpenEnvEnvironment, Field(discriminator="type")]
+
+
 class DynamicSamplingConfig(_Strict):
     """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards all agree carry no advantage, so they are
     dropped, and the step is filled with informative groups instead. Each round launches `oversample` × the groups
@@ -149,8 +203,10 @@ class RolloutConfig(_Strict):
         "the response, teacher-forced: supervised fine-tuning, `kind: sft`), or a dotted path to an async "
         "function (record, client, sampling, ctx) returning samples.",
     )
-    environment: str | None = Field(
-        None, description="Dotted path to a factory (a class or function) making one environment per episode."
+    environment: str | HubEnvironment | None = Field(
+        None,
+        description="Dotted path to a factory (a class or function) making one environment per episode, or an "
+        "environment from a hub: {type: verifiers, id, args} or {type: openenv, app | url, ...}.",
     )
     environment_args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the environment factory."
@@ -179,6 +235,19 @@ class RolloutConfig(_Strict):
     def _plugins_have_their_settings(self) -> RolloutConfig:
         if self.generate == "multi_turn" and not self.environment:
             raise ValueError("generate: multi_turn needs rollout.environment (a dotted path to a factory)")
+        if not isinstance(self.environment, str | None):
+            if self.generate != "multi_turn":
+                raise ValueError(
+                    f"environment: a {self.environment.type} environment runs episodes: set rollout.generate: "
+                    f"multi_turn (it is {self.generate!r})"
+                )
+            if "reward" not in self.model_fields_set:  # the environment's own rewards (its rubric, its steps)
+                object.__setattr__(self, "reward", "env")
+            if self.environment_args:
+                raise ValueError(
+                    f"environment_args: a {self.environment.type} environment takes its arguments in "
+                    "rollout.environment (args, action_args, reset_args)"
+                )
         if self.reward == "remote" and self.remote_reward is None:
             raise ValueError("reward: remote needs rollout.remote_reward (at least its url)")
         if self.dynamic_sampling is not None and self.num_samples_per_prompt < 2:
@@ -217,7 +286,11 @@ class DataConfig(_Strict):
     """Prompts from a JSONL or Parquet file, from any dataset the `datasets` library reads (`source: hf`), or from
     the built-in arithmetic generator."""
 
-    source: Literal["file", "hf", "arithmetic"] = "arithmetic"
+    source: Literal["file", "hf", "arithmetic", "environment"] = Field(
+        "arithmetic",
+        description="file, hf, arithmetic, or environment: the dataset a verifiers environment brings (its train "
+        "rows, and its eval rows or the last num_eval of them as held out).",
+    )
     path: str | None = Field(
         None,
         description="source=file: a JSONL or Parquet file. source=hf: a Hub dataset id (`org/name`, through the "
@@ -263,7 +336,7 @@ class DataConfig(_Strict):
 
     @model_validator(mode="after")
     def _fields_fit_source(self) -> DataConfig:
-        if self.source != "arithmetic" and not self.path:
+        if self.source not in ("arithmetic", "environment") and not self.path:
             raise ValueError(f"data.path: required when data.source is {self.source!r}")
         hf_only = {"eval_split": None, "eval_fraction": None, "revision": None, "map": None, "split": "train"}
         if self.source != "hf":

@@ -135,7 +135,12 @@ async def multi_turn(record: PromptRecord, client: EngineClient, sampling: Sampl
     """An episode with a new environment: model and environment take turns until the environment is done, or
     `rollout.multi_turn` limits it (max_turns, max_total_tokens: the prompt and every turn). A failing
     environment (it raises, times out, answers with something that is not text) ends only its episode, with the
-    reason in `metadata["episode"]`; the step goes on."""
+    reason in `metadata["episode"]`; the step goes on. A verifiers environment runs its own loop on this engine
+    (`miles_rollout.hubs.verifiers_env`)."""
+    if getattr(ctx.config.environment, "type", None) == "verifiers":
+        from miles_rollout.hubs.verifiers_env import run_episode
+
+        return await run_episode(record, client, sampling, ctx)
     worker = _EnvThread()
     try:
         return await _run_episode(record, client, sampling, ctx, worker)
@@ -147,8 +152,24 @@ async def _run_episode(
     record: PromptRecord, client: EngineClient, sampling: SamplingParams, ctx: GenerateContext, worker: _EnvThread
 ) -> Sample:
     limits = ctx.config.multi_turn
-    drop_failed = limits.env_failures == "drop"
     env = await worker.call(ctx.new_environment)  # on the thread that runs its methods
+    try:
+        return await _episode_of(env, record, client, sampling, ctx, worker)
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):  # an environment holding a session (OpenEnv's): closed with its episode
+            try:
+                await asyncio.wait_for(worker.call(close), limits.step_timeout_s)
+            except Exception:  # noqa: BLE001 - the episode is over; a close that fails loses nothing of it
+                pass
+
+
+async def _episode_of(
+    env: Any, record: PromptRecord, client: EngineClient, sampling: SamplingParams, ctx: GenerateContext,
+    worker: _EnvThread,
+) -> Sample:  # fmt: skip
+    limits = ctx.config.multi_turn
+    drop_failed = limits.env_failures == "drop"
     path = ctx.config.environment
     tools = getattr(env, "tools", None) or None
     version = client.engine.weight_version  # of an episode that ends before its first model turn (aborted)
@@ -283,5 +304,19 @@ def resolve_generate(name_or_path: str) -> GenerateFn:
 
 def make_context(config: RolloutConfig, tokenizer: Any, encoder: PromptEncoder) -> GenerateContext:
     """The context shared by a manager's calls (each call gets a copy with its indices)."""
-    make_env = environment_factory(config.environment, config.environment_args) if config.environment else None
-    return GenerateContext(tokenizer, encoder, config, make_environment=make_env)
+    return GenerateContext(tokenizer, encoder, config, make_environment=make_environment(config))
+
+
+def make_environment(config: RolloutConfig) -> Callable[[], Any] | None:
+    """The factory of one environment per episode: a dotted path's, or an OpenEnv server's sessions (a verifiers
+    environment runs its own loop: None)."""
+    env = config.environment
+    if env is None or getattr(env, "type", None) == "verifiers":
+        return None
+    if isinstance(env, str):
+        return environment_factory(env, config.environment_args)
+    from miles_rollout.config import OpenEnvEnvironment
+    from miles_rollout.hubs.openenv_env import session_factory
+
+    assert isinstance(env, OpenEnvEnvironment)
+    return session_factory(env)

@@ -13,8 +13,18 @@ from miles_rollout.tasks.arithmetic import split_train_eval
 from miles_rollout.types import PromptRecord
 
 
-def load_job_prompts(config: DataConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """(training prompts, held-out prompts)."""
+def load_job_prompts(config: DataConfig, environment: Any = None) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """(training prompts, held-out prompts). `environment`: `rollout.environment`, whose dataset `source:
+    environment` reads (a verifiers environment's)."""
+    if config.source == "environment":
+        from miles_rollout.hubs.verifiers_env import records
+
+        if getattr(environment, "type", None) != "verifiers":
+            raise PromptDataError("data.source: environment reads the dataset of a verifiers rollout.environment")
+        try:
+            return records(environment, config.num_eval)
+        except ValueError as exc:
+            raise PromptDataError(str(exc)) from None
     if config.source == "arithmetic":
         return split_train_eval(config.num_train, config.num_eval, config.seed, config.digits, config.operations)
     if config.path is None:

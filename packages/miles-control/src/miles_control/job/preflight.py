@@ -15,6 +15,7 @@ runtime hands it to Ray's workers.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Sequence
@@ -126,7 +127,9 @@ def check_episodes(spec: JobSpec, hf_config) -> None:
         resolve_generate(rollout.generate)
     except ValueError as exc:
         raise JobCheckError(str(exc) if str(exc).startswith("rollout.") else f"rollout.generate: {exc}") from None
-    if rollout.environment is not None:
+    if rollout.environment is not None and not isinstance(rollout.environment, str):
+        check_hub_environment(rollout.environment)
+    elif rollout.environment is not None:
         try:
             make = environment_factory(rollout.environment, rollout.environment_args)
         except ValueError as exc:
@@ -146,6 +149,43 @@ def check_episodes(spec: JobSpec, hf_config) -> None:
             f"rollout.multi_turn.max_total_tokens: {rollout.multi_turn.max_total_tokens} is more than the model's "
             f"context (config.json max_position_embeddings: {context})"
         )
+
+
+def check_hub_environment(env) -> None:
+    """A verifiers environment loads and Miles can drive it; an OpenEnv server starts (or the one at `url` answers)
+    and one session resets: before any engine starts, naming the field."""
+    if env.type == "verifiers":
+        from miles_rollout.hubs.verifiers_env import load
+
+        try:
+            load(env)
+        except ValueError as exc:
+            raise JobCheckError(str(exc)) from None
+        return
+    from miles_rollout.hubs.openenv_env import Server, Session, session_factory
+
+    try:
+        session_factory(env)
+    except ValueError as exc:
+        raise JobCheckError(str(exc)) from None
+    if env.app is not None and importlib.util.find_spec(env.app.partition(":")[0]) is None:
+        raise JobCheckError(f"rollout.environment.app: no module {env.app.partition(':')[0]!r} (installed, or in the "
+                            "job's plugin folders)")  # fmt: skip
+    server = Server(env.app, env.start_timeout_s) if env.app is not None else None
+    session = Session(env.model_copy(update={"retries": 0}))
+    try:
+        if server is not None:
+            url = server.ensure()
+            session.spec = session.spec.model_copy(update={"app": None, "url": url})
+        session.reset(None)
+    except Exception as exc:  # noqa: BLE001 - the server's or its environment's, reported with the field
+        where = "app" if env.app is not None else "url"
+        raise JobCheckError(f"rollout.environment.{where}: one OpenEnv session failed to reset: {type(exc).__name__}: "
+                            f"{exc}"[:800]) from None  # fmt: skip
+    finally:
+        session.close()
+        if server is not None:
+            server.stop()
 
 
 def check_teacher(spec: JobSpec, hf_config) -> None:

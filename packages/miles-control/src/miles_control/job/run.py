@@ -112,7 +112,7 @@ def run_job(
         on_phase("loading prompts")
         from miles_control.job.data import load_job_prompts
 
-        train_prompts, eval_prompts = load_job_prompts(spec.data)
+        train_prompts, eval_prompts = load_job_prompts(spec.data, spec.rollout.environment)
         on_phase("preparing model (built once, then cached)")
         from miles_control.job.assets import resolve_model_path
 

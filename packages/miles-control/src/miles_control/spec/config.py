@@ -326,6 +326,23 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _environment_data(self) -> JobSpec:
+        """data.source environment reads a verifiers environment's dataset: its prompts are conversations."""
+        env = self.rollout.environment
+        if self.data.source == "environment":
+            if getattr(env, "type", None) != "verifiers":
+                raise ValueError(
+                    "data.source: environment reads the dataset of a verifiers environment; rollout.environment is "
+                    f"{env!r}"
+                )
+            if self.data.chat_template == "none":
+                raise ValueError(
+                    "data.chat_template: a verifiers environment's prompts are conversations; set model (or a Jinja "
+                    "file) to render them"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _routing_replay_has_routing(self) -> JobSpec:
         """train.routing_replay replays what the engine returns: both engines return it once asked
         (rollout.engine.routed_experts, turned on here)."""

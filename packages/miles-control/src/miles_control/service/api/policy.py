@@ -281,8 +281,23 @@ def _check_plugins(spec: JobSpec, settings: ServerSettings) -> list[Problem]:
     rollout = spec.rollout
     problems = _check_plugin("reward", rollout.reward, registered_rewards(), settings, positional=1)
     problems += _check_plugin("generate", rollout.generate, sorted(BUILTIN), settings, positional=4, coroutine=True)
-    if rollout.environment is not None:  # called with environment_args as keywords: its arguments are not counted
-        problems += _check_plugin("environment", rollout.environment, [], settings, positional=None, classes=True)
+    env = rollout.environment
+    if isinstance(env, str):  # called with environment_args as keywords: its arguments are not counted
+        problems += _check_plugin("environment", env, [], settings, positional=None, classes=True)
+    elif env is not None and env.type == "verifiers":  # its module's load_environment, job code like any plugin's
+        module = env.id.replace("-", "_").split("/")[-1]
+        problems += _check_plugin("rollout.environment.id", f"{module}:load_environment", [], settings, None)
+    elif env is not None and env.app is not None:  # an OpenEnv app: a module the job's server would run
+        module = env.app.partition(":")[0]
+        if not any(module == m or module.startswith(m + ".") for m in settings.plugin_modules):
+            allowed = ", ".join(settings.plugin_modules) or "none"
+            problems.append(
+                _problem(
+                    ("rollout", "environment", "app"),
+                    f"{env.app!r} is not in a module this server allows "
+                    f"({allowed}); or give the url of a running server",
+                )  # fmt: skip
+            )
     problems += _check_plugin(
         "train.algorithm.name", spec.train.algorithm.name, list(ALGORITHMS), settings, positional=None, classes=True
     )
