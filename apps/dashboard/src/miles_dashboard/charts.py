@@ -5,7 +5,7 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-STAGES = ["rollout", "reward", "train", "weight_sync", "eval", "wait_rollout", "checkpoint", "restore"]
+STAGES = ["rollout", "reward", "judge", "train", "weight_sync", "eval", "wait_rollout", "checkpoint", "restore"]
 STAGE_COLORS = ["#4c78a8", "#72b7b2", "#f58518", "#e45756", "#54a24b", "#bab0ac", "#b279a2", "#9d755d"]
 
 # The curves a person looks at first, in this order (what exists of them is shown).

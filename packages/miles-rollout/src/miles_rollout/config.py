@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -15,12 +15,29 @@ from miles_rollout.engine_config import (  # the rollout.engine section
     gpus_per_server,
     tp_size,
 )
+from miles_rollout.environment_config import (  # rollout.judge and the hub environments of rollout.environment
+    HubEnvironment,
+    JudgeConfig,
+    OpenEnvEnvironment,
+    VerifiersEnvironment,
+)
 
 PauseMode = Literal["in_place", "retract", "abort"]
 Operation = Literal["+", "-", "*"]  # arithmetic task operators
 
 
-__all__ = ["EngineConfig", "HFEngineConfig", "SGLangEngineConfig", "default_engine", "gpus_per_server", "tp_size"]
+__all__ = [
+    "EngineConfig",
+    "HFEngineConfig",
+    "HubEnvironment",
+    "JudgeConfig",
+    "OpenEnvEnvironment",
+    "SGLangEngineConfig",
+    "VerifiersEnvironment",
+    "default_engine",
+    "gpus_per_server",
+    "tp_size",
+]
 
 
 class SamplingConfig(_Strict):
@@ -108,60 +125,6 @@ class CodeSandboxConfig(_Strict):
     )
 
 
-class VerifiersEnvironment(_Strict):
-    """An environment of Prime Intellect's `verifiers` (PyPI `verifiers`, its classic API): `load_environment(id,
-    **args)` makes it; its episodes run on Miles' engines through its own rollout loop, its rubric scores them."""
-
-    type: Literal["verifiers"]
-    id: str = Field(
-        min_length=1,
-        description="The environment's id, as `vf-install` names it: the module `id` (dashes read as underscores) "
-        "with a `load_environment` function, installed or in the job's plugin folders.",
-    )
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of its load_environment.")
-
-
-class OpenEnvEnvironment(_Strict):
-    """An environment served by Meta's OpenEnv (PyPI `openenv`): Miles starts its server as a local process (`app`)
-    or attaches to one (`url`), and holds one WebSocket session per episode."""
-
-    type: Literal["openenv"]
-    app: str | None = Field(
-        None,
-        description="The server's ASGI app as `module:attribute` (what `uvicorn module:attribute` serves, made with "
-        "openenv's create_app); Miles starts it on a free local port, one per rollout process, and restarts it when "
-        "it dies.",
-    )
-    url: str | None = Field(None, description="An OpenEnv server already running (http:// or https://).")
-    action_field: str = Field(
-        "message", min_length=1, description="The action's field that holds the model's text (EchoAction: message)."
-    )
-    action_args: dict[str, Any] = Field(default_factory=dict, description="Fixed fields of every action besides it.")
-    observation_field: str | None = Field(
-        None,
-        description="The observation's field shown to the model as its next user turn; None: the observation's "
-        "fields other than reward, done and metadata, as JSON.",
-    )
-    reset_args: dict[str, Any] = Field(default_factory=dict, description="Sent with every reset (seed, task, ...).")
-    start_timeout_s: float = Field(60.0, gt=0, le=3600, description="How long a started server may take to answer.")
-    retries: int = Field(
-        1, ge=0, le=10, description="Restarts of a dead server for one episode's reset before the episode is dropped."
-    )
-
-    @model_validator(mode="after")
-    def _one_server(self) -> OpenEnvEnvironment:
-        if (self.app is None) == (self.url is None):
-            raise ValueError("give app (a server Miles starts) or url (one running), not both and not neither")
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url: {self.url!r} is not an http:// or https:// URL")
-        if self.app is not None and ":" not in self.app:
-            raise ValueError(f"app: {self.app!r} is not `module:attribute`")
-        return self
-
-
-HubEnvironment = Annotated[VerifiersEnvironment | OpenEnvEnvironment, Field(discriminator="type")]
-
-
 class DynamicSamplingConfig(_Strict):
     """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards all agree carry no advantage, so they are
     dropped, and the step is filled with informative groups instead. Each round launches `oversample` × the groups
@@ -213,6 +176,7 @@ class RolloutConfig(_Strict):
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     remote_reward: RemoteRewardConfig | None = Field(None, description="The service of `reward: remote`.")
+    judge: JudgeConfig | None = Field(None, description="The judge model of `reward: judge`.")
     code_sandbox: CodeSandboxConfig = Field(
         default_factory=CodeSandboxConfig, description="The sandbox of `reward: code` (model-written Python, tested)."
     )
@@ -250,6 +214,8 @@ class RolloutConfig(_Strict):
                 )
         if self.reward == "remote" and self.remote_reward is None:
             raise ValueError("reward: remote needs rollout.remote_reward (at least its url)")
+        if self.reward == "judge" and self.judge is None:
+            raise ValueError("reward: judge needs rollout.judge (at least its model and template)")
         if self.dynamic_sampling is not None and self.num_samples_per_prompt < 2:
             raise ValueError("dynamic_sampling: needs num_samples_per_prompt ≥ 2 (a group of one never varies)")
         if self.overlong_penalty is not None and self.generate == "multi_turn":

@@ -46,7 +46,7 @@ class RolloutManager:
         self.tokenizer = tokenizer
         self.encoder = encoder or PromptEncoder(tokenizer)
         self.config = config
-        self.reward_fn = resolve_reward(config.reward, config.remote_reward, config.code_sandbox)
+        self.reward_fn = resolve_reward(config.reward, config.remote_reward, config.code_sandbox, config.judge)
         self.generate_fn = resolve_generate(config.generate)
         self.vocab_size = vocab_size
         self.context = make_context(config, tokenizer, self.encoder)
@@ -98,7 +98,7 @@ class RolloutManager:
             samples,
             timings=[
                 StageTiming("rollout", start, generated, num_tokens),
-                StageTiming("reward", generated, scored),
+                StageTiming(getattr(self.reward_fn, "stage", "reward"), generated, scored),  # a judge: its own
             ],
             sampling=sampling,
         )

@@ -6,7 +6,8 @@ A function marked `@batched` takes the step's list of samples and returns a list
 reward model, a remote verifier). An episode's transcript is in `sample.metadata["episode"]`.
 
 Built in: `exact_match`, `env` (an episode's environment rewards), `math_verify` (the answer is
-mathematically equal to the label: PyPI math-verify) and `remote` (an HTTP service, `rollout.remote_reward`).
+mathematically equal to the label: PyPI math-verify), `remote` (an HTTP service, `rollout.remote_reward`), `code`
+(programs run against tests in a sandbox, `rollout.code_sandbox`) and `judge` (a judge model, `rollout.judge`).
 """
 
 from __future__ import annotations
@@ -137,12 +138,19 @@ async def _awaited(value: Any) -> Any:
 
 
 def registered_rewards() -> list[str]:
-    return sorted([*_REGISTRY, "remote", "code"])
+    return sorted([*_REGISTRY, "remote", "code", "judge"])
 
 
-def resolve_reward(name_or_path: str, remote: Any = None, code_sandbox: Any = None) -> RewardFn:
+def resolve_reward(name_or_path: str, remote: Any = None, code_sandbox: Any = None, judge: Any = None) -> RewardFn:
     """A registered name, else a dotted path; the result must be callable. `remote`: `rollout.remote_reward`
-    (the `remote` reward's service); `code_sandbox`: `rollout.code_sandbox` (the `code` reward's sandbox)."""
+    (the `remote` reward's service); `code_sandbox`: `rollout.code_sandbox` (the `code` reward's sandbox); `judge`:
+    `rollout.judge` (the `judge` reward's model)."""
+    if name_or_path == "judge":
+        if judge is None:
+            raise ValueError("reward 'judge' needs rollout.judge (its model and template)")
+        from miles_rollout.judge import JudgeReward
+
+        return JudgeReward(judge)
     if name_or_path == "code":
         from miles_rollout.code_reward import CodeReward
         from miles_rollout.config import CodeSandboxConfig

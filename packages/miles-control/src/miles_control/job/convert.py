@@ -50,6 +50,7 @@ def token_staleness(samples: list[Sample], staleness: list[int]) -> list[list[in
 def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     from miles_rollout.code_reward import code_metrics
     from miles_rollout.hubs.verifiers_env import verifiers_metrics
+    from miles_rollout.judge import judge_metrics
 
     samples = batch.samples
     rewards = [s.reward for s in samples]
@@ -63,6 +64,7 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         | episode_metrics(batch)
         | code_metrics(batch.samples)
         | verifiers_metrics(batch.samples)
+        | judge_metrics(batch.samples)
         | {
             "rollout/reward_mean": mean,
             "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,

@@ -81,7 +81,9 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
     check_precision(spec, model_path)
     check_quantization(spec, hf_config)
     try:
-        reward = resolve_reward(spec.rollout.reward, spec.rollout.remote_reward, spec.rollout.code_sandbox)
+        reward = resolve_reward(
+            spec.rollout.reward, spec.rollout.remote_reward, spec.rollout.code_sandbox, spec.rollout.judge
+        )
         if spec.rollout.reward not in registered_rewards() and prompts:  # a user's reward: tried on the data now
             # an episode's reward reads its transcript, which only a rollout makes: its signature is checked alone
             probe_reward(reward, spec.rollout.reward, prompts[0], call=spec.rollout.environment is None)
@@ -94,6 +96,8 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
             check_sandbox(spec.rollout.code_sandbox.tool, spec.rollout.code_sandbox.python)
         except SandboxError as exc:
             raise JobCheckError(f"rollout.code_sandbox.{exc}") from None
+    if spec.rollout.reward == "judge" and spec.rollout.judge is not None:
+        check_judge(spec.rollout.judge)
     check_episodes(spec, hf_config)
     if spec.train.teacher is not None:
         check_teacher(spec, hf_config)
@@ -149,6 +153,24 @@ def check_episodes(spec: JobSpec, hf_config) -> None:
             f"rollout.multi_turn.max_total_tokens: {rollout.multi_turn.max_total_tokens} is more than the model's "
             f"context (config.json max_position_embeddings: {context})"
         )
+
+
+def check_judge(judge) -> None:
+    """The judge's model folder holds a model its engine serves (`model: policy` is the job's, checked above)."""
+    from transformers import AutoConfig
+
+    from miles_rollout.engines import check_model as check_engine_model
+    from miles_rollout.judge import engine_config
+
+    if judge.model == "policy":
+        return
+    folder = Path(judge.model)
+    if not (folder / "config.json").is_file():
+        raise JobCheckError(f"rollout.judge.model: {judge.model!r} is not a model folder (no config.json)")
+    try:
+        check_engine_model(engine_config(judge), AutoConfig.from_pretrained(str(folder)))
+    except ValueError as exc:
+        raise JobCheckError(f"rollout.judge.engine: {exc}") from None
 
 
 def check_hub_environment(env) -> None:

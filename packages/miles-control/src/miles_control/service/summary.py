@@ -23,8 +23,8 @@ from typing import Any
 
 from miles_control.service.store import Store
 
-STAGE_ORDER = ("rollout", "reward", "train", "weight_sync", "eval", "wait_rollout")
-ROLLOUT_STAGES = ("rollout", "reward", "eval")
+STAGE_ORDER = ("rollout", "reward", "judge", "train", "weight_sync", "eval", "wait_rollout")
+ROLLOUT_STAGES = ("rollout", "reward", "judge", "eval")  # judge: a judge model's reward (rollout.reward: judge)
 TRAINER_STAGES = ("train", "weight_sync")
 IDLE_STAGES = ("wait_rollout",)
 

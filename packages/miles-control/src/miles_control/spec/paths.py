@@ -26,9 +26,11 @@ PATH_FIELDS: dict[tuple[str, ...], tuple[Root, str]] = {
     ("tracking", "*", "dir"): ("runs", "tracking folder"),
     ("sync", "dir"): ("runs", "weights folder"),
     ("rollout", "engine", "log_dir"): ("runs", "log folder"),
+    ("rollout", "judge", "model"): ("model", "judge folder"),
 }
 
-NOT_A_PATH = {"none", "model"}  # data.chat_template's named choices
+# named choices of path fields: data.chat_template's, rollout.judge.model's (the job's own model)
+NOT_A_PATH = {("data", "chat_template"): {"none", "model"}, ("rollout", "judge", "model"): {"policy"}}
 
 
 def is_hub_dataset(data: dict[str, Any], value: str) -> bool:
@@ -59,7 +61,7 @@ def path_values(data: dict[str, Any]) -> Iterator[tuple[tuple[str, ...], dict[st
             nodes = step
         for where, node in nodes:
             value = node.get(loc[-1]) if isinstance(node, dict) else None
-            if isinstance(value, str) and not (loc == ("data", "chat_template") and value in NOT_A_PATH):
+            if isinstance(value, str) and value not in NOT_A_PATH.get(loc, ()):
                 yield (*where, loc[-1]), node, loc[-1], root
 
 

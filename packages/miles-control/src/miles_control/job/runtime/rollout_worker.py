@@ -70,6 +70,9 @@ class RolloutWorker:
         hf_config = AutoConfig.from_pretrained(model_path)
         vocab_size = getattr(hf_config, "vocab_size", None) or getattr(hf_config.get_text_config(), "vocab_size", None)
         self.manager = RolloutManager(self.engine, tokenizer, job.rollout, encoder, vocab_size=vocab_size)
+        attach = getattr(self.manager.reward_fn, "attach", None)  # a judge of `model: policy` reads the job's model
+        if callable(attach):
+            attach(Path(model_path), job.seed)
         self.stream = PromptStream(train_prompts, seed=job.seed)
         self.eval_prompts = eval_prompts[: job.rollout.eval.num_prompts]
         # fully_async's continuous generation (start_stream): the buffer, and what the thread hands to take()

@@ -104,6 +104,7 @@ UNSIZED = frozenset(
         "warm_start_lr", "warm_start_target", "warm_start_call_share", "stop_at_accuracy", "checkpoint_every",
         "update_weights_interval", "master_port", "trainer_gpus_per_rank", "rollout_gpus_per_engine", "betas",
         "mis_band", "trainer_node", "rollout_node",  # custom Ray resources: placement checks them against the cluster
+        "choices",  # rollout.judge: each verdict's reward
     }
 )  # fmt: skip
 
