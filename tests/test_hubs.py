@@ -70,7 +70,8 @@ def test_an_openenv_server_runs_episodes_of_a_job(tmp_path):
     store = run_example(tmp_path, "openenv", *SHORT)
     rewards = dict(store.metric_series(1, "rollout/reward_mean"))
     assert set(rewards) == {1, 2} and all(0.0 <= r <= 1.0 for r in rewards.values())
-    assert dict(store.metric_series(1, "rollout/end_done"))
+    assert set(dict(store.metric_series(1, "rollout/end_done")).values()) == {1.0}  # every episode ended by the server
+    assert not store.metric_series(1, "rollout/end_env_error")  # 128 episodes at once, 64 sessions: they waited
     samples = store.samples(1)
     assert samples and all(s.response.startswith("[user] ") is False for s in samples)
     questions = {s.prompt for s in samples}
@@ -81,7 +82,7 @@ def test_an_openenv_server_runs_episodes_of_a_job(tmp_path):
 
 def openenv_spec(**fields) -> OpenEnvEnvironment:
     return OpenEnvEnvironment(
-        type="openenv", app="miles_openenv_arithmetic:app", observation_field="question", **fields
+        type="openenv", app="miles_openenv_arithmetic:app", observation_field="question", max_sessions=4, **fields
     )
 
 

@@ -106,7 +106,14 @@ class OpenEnvEnvironment(_Strict):
     reset_args: dict[str, Any] = Field(default_factory=dict, description="Sent with every reset (seed, task, ...).")
     start_timeout_s: float = Field(60.0, gt=0, le=3600, description="How long a started server may take to answer.")
     retries: int = Field(
-        1, ge=0, le=10, description="Restarts of a dead server for one episode's reset before the episode is dropped."
+        1, ge=0, le=10, description="Retries of an episode's failed reset (a dead server is started again first)."
+    )
+    max_sessions: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="Sessions open at once on the server (its create_app max_concurrent_envs; OpenEnv's default is "
+        "1): more episodes wait for a free one.",
     )
 
     @model_validator(mode="after")

@@ -85,7 +85,13 @@ class JudgeReward:
         path = self.model_path()
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
         self._engine = build_engine(engine_config(self.config), path, seed=self.seed)
-        atexit.register(self._engine.shutdown)
+        atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the judge's engine (its servers, for SGLang); the rollout worker's shutdown calls it."""
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            engine.shutdown()
 
     def prompt_ids(self, sample: Sample) -> list[int]:
         text = self.config.template.format(question=sample.prompt, reference=sample.label, answer=sample.response_text)

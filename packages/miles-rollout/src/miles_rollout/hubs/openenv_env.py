@@ -14,16 +14,21 @@ multi_turn`) is one session:
 - each model turn is an action: `{action_field: the turn's text, **action_args}`; the answer's observation is the
   next user turn, its reward adds to the episode's (`rollout.reward: env`), `done` ends the episode.
 
-A server Miles started that died is started again before the next session. An episode whose reset finds the server
-dead retries on the restarted server (`retries` times); one whose server dies mid-episode ends with `env_error` and
+At most `max_sessions` sessions are open at once per server (OpenEnv refuses more than its `max_concurrent_envs`,
+1 by default): an episode waits for a free one before it starts. A server Miles started that died is started again
+before the next session. An episode whose reset fails retries (`retries` times) after the server is checked: one
+that died or fails its health check is started again, a healthy one is left alone (the failure was the session's).
+An episode whose server dies mid-episode ends with `env_error` and
 the reason, counted in `rollout/end_env_error` (`rollout.multi_turn.env_failures: drop` leaves it out of
 training); the job goes on.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -57,10 +62,19 @@ class Server:
         self.process: subprocess.Popen | None = None
         self.url = ""
         self.starts = 0
+        self._log: Any = None
         self._lock = threading.Lock()
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def healthy(self) -> bool:
+        import httpx
+
+        try:
+            return self.alive() and httpx.get(self.url + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def ensure(self) -> str:
         """The URL of a running server (started now when it is not)."""
@@ -69,8 +83,15 @@ class Server:
                 self._start()
             return self.url
 
+    def recover(self) -> None:
+        """After a failed reset: a server that died, or no longer answers its health check, is started again; a
+        healthy one (the failure was the session's, not the server's) is left alone for the other episodes."""
+        with self._lock:
+            if not self.healthy():
+                self._start()
+
     def _start(self) -> None:
-        self.stop()
+        self._stop()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -80,6 +101,7 @@ class Server:
         log_dir = Path(os.environ.get("MILES_LOG_DIR", "/tmp"))
         log_dir.mkdir(parents=True, exist_ok=True)
         log = open(log_dir / f"openenv-{os.getpid()}-{port}.log", "ab")  # noqa: SIM115 - the server's, kept open
+        self._log = log
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(port), "--log-level",
              "warning"],
@@ -102,21 +124,53 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        self.stop()
+        self._stop()
         raise RuntimeError(
             f"rollout.environment.start_timeout_s: the OpenEnv server {self.app!r} did not answer in "
             f"{self.start_timeout_s} s (its log: {log.name})"
         )
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+        """Stop the server (its whole process group: uvicorn and anything it started)."""
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self.process is not None:
+            if self.process.poll() is None:
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.process.wait(timeout=10)
         self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 _SERVERS: dict[str, Server] = {}
 _SERVERS_LOCK = threading.Lock()
+_SLOTS: dict[str, threading.BoundedSemaphore] = {}
+
+
+def stop_servers() -> None:
+    """Stop every server this process started (the rollout worker's shutdown, and at exit)."""
+    with _SERVERS_LOCK:
+        servers = list(_SERVERS.values())
+    for server in servers:
+        server.stop()
+
+
+atexit.register(stop_servers)
+
+
+def _slots(spec: OpenEnvEnvironment) -> threading.BoundedSemaphore:
+    key = spec.app or spec.url or ""
+    with _SERVERS_LOCK:
+        if key not in _SLOTS:
+            _SLOTS[key] = threading.BoundedSemaphore(spec.max_sessions)
+        return _SLOTS[key]
 
 
 def server_of(spec: OpenEnvEnvironment) -> Server:
@@ -149,6 +203,9 @@ class Session:
     def __init__(self, spec: OpenEnvEnvironment) -> None:
         self.spec = spec
         self.client: Any = None
+        # one of the server's max_sessions, held until close(): waited for here, on the episode's own thread
+        self._slot: threading.BoundedSemaphore | None = _slots(spec)
+        self._slot.acquire()
 
     def _connect(self) -> Any:
         url = server_of(self.spec).ensure() if self.spec.app is not None else self.spec.url
@@ -164,13 +221,10 @@ class Session:
                 result = self.client.reset(**self._reset_args(record))
                 break
             except Exception:
-                self.close()
+                self._disconnect()
                 if attempt == attempts - 1:
                     raise
-                if self.spec.app is not None:
-                    server = server_of(self.spec)
-                    if server.alive():  # alive but not answering: started again
-                        server.stop()
+                server_of(self.spec).recover()
         text = observation_text(result.observation, self.spec.observation_field)
         return text or None
 
@@ -188,13 +242,20 @@ class Session:
         text = observation_text(result.observation, self.spec.observation_field)
         return StepResult(observation=text or None, reward=reward, done=bool(result.done))
 
-    def close(self) -> None:
+    def _disconnect(self) -> None:
         if self.client is not None:
             client, self.client = self.client, None
             try:
                 client.close()
             except Exception:  # noqa: BLE001 - a session on a dead server: nothing to close
                 pass
+
+    def close(self) -> None:
+        """End the session and give its slot back."""
+        self._disconnect()
+        if self._slot is not None:
+            slot, self._slot = self._slot, None
+            slot.release()
 
 
 def session_factory(spec: OpenEnvEnvironment):

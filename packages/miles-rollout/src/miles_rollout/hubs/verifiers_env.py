@@ -36,7 +36,7 @@ from miles_rollout.config import VerifiersEnvironment
 from miles_rollout.env import parse_tool_call
 from miles_rollout.episode import Episode
 from miles_rollout.plugin_check import plugin_dirs_on_path
-from miles_rollout.types import FinishReason, PromptRecord, Sample
+from miles_rollout.types import FinishReason, PromptRecord, Sample, SampleStatus
 
 INSTALL = "pip install 'miles-rollout[hubs]' (verifiers==0.3.1)"
 _LOADED: dict[str, Any] = {}
@@ -82,7 +82,7 @@ def _load(spec: VerifiersEnvironment) -> Any:
             f"rollout.environment.args: load_environment of {spec.id!r} refused {spec.args}: {exc}"
         ) from None
     try:
-        with _signals_on_any_thread():
+        with _keep_signal_handlers():
             env = load_environment(spec.id, **spec.args)
     except TypeError as exc:
         raise ValueError(
@@ -105,14 +105,12 @@ def _load(spec: VerifiersEnvironment) -> Any:
 
 
 @contextlib.contextmanager
-def _signals_on_any_thread():
-    """verifiers' Environment installs SIGINT and SIGTERM handlers (a teardown, then the default) as it is made,
-    which Python allows on the main thread only; a rollout actor makes it on another. There, its module's `signal`
-    is a stand-in for the time of the call whose `signal()` installs nothing: the teardown still runs at exit
-    (verifiers registers it with atexit too), and the process keeps Ray's handlers."""
-    if threading.current_thread() is threading.main_thread():
-        yield
-        return
+def _keep_signal_handlers():
+    """verifiers' Environment installs SIGINT and SIGTERM handlers (a teardown, then KeyboardInterrupt or exit) as
+    it is made: on the driver's main thread they would replace Miles' own (Ctrl-C stops a job before its next step),
+    and off the main thread Python refuses them (a rollout actor makes the environment on another). So for the time
+    of the call its module's `signal` is a stand-in whose `signal()` installs nothing: the process keeps its handlers,
+    and verifiers' teardown still runs at exit (it registers it with atexit too)."""
     import signal as real
 
     import verifiers.legacy.envs.environment as module
@@ -176,15 +174,18 @@ def _record(row: dict[str, Any], env_id: str, index: int) -> PromptRecord:
     users = [m["content"] for m in messages if m["role"] == "user"]
     extra = {k: _plain(row[k]) for k in ("info", "task", "example_id") if k in row and row[k] is not None}
     return PromptRecord(
-        users[-1] if users else messages[-1]["content"], str(row.get("answer") or ""), {"verifiers": extra}, messages
+        users[-1] if users else messages[-1]["content"],
+        "" if row.get("answer") is None else str(row["answer"]),
+        {"verifiers": extra},
+        messages,
     )
 
 
 def _text(content: Any) -> str:
     if isinstance(content, str) or content is None:
         return content or ""
-    if isinstance(content, list):  # content parts: the text ones
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    if isinstance(content, list):  # content parts (dicts, or verifiers' own part objects): the text ones
+        return "".join(str(p.get("text", "") if isinstance(p, dict) else getattr(p, "text", "") or "") for p in content)
     return str(content)
 
 
@@ -286,8 +287,8 @@ def _client_class() -> type:
             )  # fmt: skip
             self.seen = len(messages) + 1
             self.model_end = self.ctx.tokenizer.decode(result.output_ids[-1:]) if result.output_ids else ""
-            if result.finish_reason == FinishReason.ABORT:
-                self.stop = "abort"
+            if result.finish_reason == FinishReason.ABORT:  # the partial turn goes to neither environment nor rubric
+                self._end("abort")
             self.cut = result.finish_reason == FinishReason.LENGTH
             if self.cut and sampling is not self.sampling:
                 self.stop = "max_tokens"
@@ -327,36 +328,61 @@ async def run_episode(record: PromptRecord, client: Any, sampling: Any, ctx: Any
         **({"task": row["task"]} if "task" in row else {}),
     }
     version = client.engine.weight_version
-    state = await env.rollout(task_input, vf_client, "miles", {})
-    await env.rubric.score_rollout(state)
-    await env.rubric.cleanup(state)
+    state: Any = None
+    failure = ""
+    try:
+        state = await env.rollout(task_input, vf_client, "miles", {})
+        await env.rubric.score_rollout(state)
+        await env.rubric.cleanup(state)
+    except Exception as exc:  # noqa: BLE001 - the environment's own code (env_response, a parser, a rubric function)
+        failure = f"{type(exc).__name__}: {exc}"[:500]  # ends this episode only, as in Miles' own runner
     episode = vf_client.episode
-    error = state.get("error")
     if episode is None:  # ended before its first model turn: nothing to train on
+        error = state.get("error") if state is not None else None
         episode = Episode(ctx.encoder.encode(record))
-        episode.end("env_error", f"{type(error).__name__}: {error}"[:500] if error else "no model turn")
-        reward = None
-    else:
-        if vf_client.stop:
-            episode.end(vf_client.stop)
-        elif error is not None and not isinstance(error, _vf().OverlongPromptError):
-            episode.end("env_error", f"{type(error).__name__}: {error}"[:500])
-        elif vf_client.cut:
-            episode.end("length")
-        else:
-            episode.end("done")
-        reward = float(state.get("reward") or 0.0)
-        episode.rewards.append(reward)
+        episode.end("env_error", failure or (f"{type(error).__name__}: {error}"[:500] if error else "no model turn"))
+        sample = episode.to_sample(record, ctx.group_index, version)
+        sample.metadata.pop("verifiers", None)
+        return sample
+    if episode.segments[-1].kind == "env":  # an environment turn no model turn answered: not trained on
+        episode.drop_env()
+    reason, detail = _end_reason(vf_client, state, failure)
+    episode.end(reason, detail)
+    scored = state is not None and not failure
+    if scored:
+        episode.rewards.append(float(state.get("reward") or 0.0))
     drop = ctx.config.multi_turn.env_failures == "drop"
     sample = episode.to_sample(record, ctx.group_index, version, drop_failed=drop)
     sample.metadata.pop("verifiers", None)
-    metrics = {k: float(v) for k, v in (state.get("metrics") or {}).items() if isinstance(v, int | float)}
-    sample.metadata["verifiers"] = {"reward": reward, "metrics": metrics, "stop": state.get("stop_condition")}
+    if scored and sample.status != SampleStatus.ABORTED:  # what was not scored stays unmeasured, not 0
+        metrics = {k: float(v) for k, v in (state.get("metrics") or {}).items() if isinstance(v, int | float)}
+        sample.metadata["verifiers"] = {"metrics": metrics, "stop": state.get("stop_condition")}
     return sample
 
 
+# verifiers' stop conditions with a Miles end reason of their own (the others: the environment ended it, `done`)
+_STOPS = {"timeout_reached": "env_timeout", "max_turns_reached": "max_turns", "has_error": "env_error"}
+
+
+def _end_reason(vf_client: Any, state: Any, failure: str) -> tuple[str, str]:
+    if failure:
+        return "env_error", failure
+    if vf_client.stop:  # a limit of Miles' (max_turns, max_tokens, length) or the engine's abort
+        return vf_client.stop, ""
+    stop = state.get("stop_condition")
+    error = state.get("error")
+    if stop in _STOPS:
+        detail = f"{type(error).__name__}: {error}"[:500] if error is not None else f"verifiers: {stop}"
+        return _STOPS[stop], detail
+    if vf_client.cut:
+        return "length", ""
+    return "done", ""
+
+
 def verifiers_metrics(samples: list[Sample]) -> dict[str, float]:
-    """Each rubric function's mean score over a step's episodes (`reward/vf_<name>`); none without verifiers."""
+    """Each rubric function's mean score over a step's scored episodes (`reward/vf_<name>`): an episode the rubric
+    did not score (its environment failed, it never reached the model, it was aborted) is left out, not counted as 0;
+    none without verifiers."""
     scored = [s.metadata["verifiers"]["metrics"] for s in samples if isinstance(s.metadata.get("verifiers"), dict)]
     names = sorted({name for m in scored for name in m})
     return {f"reward/vf_{n}": sum(m[n] for m in scored if n in m) / sum(n in m for m in scored) for n in names}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -329,6 +330,13 @@ class RolloutWorker:
         return land(self.engine, handle, pause_mode, check_after_resume)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
-        """Stop the stream and the engine (its servers)."""
+        """Stop the stream, the engine (its servers), a judge's engine and the OpenEnv servers this process started."""
         self.stop_stream()
         self.engine.shutdown()
+        judge_shutdown = getattr(self.manager.reward_fn, "shutdown", None)
+        if callable(judge_shutdown):
+            judge_shutdown()
+        if "miles_rollout.hubs.openenv_env" in sys.modules:
+            from miles_rollout.hubs.openenv_env import stop_servers
+
+            stop_servers()
