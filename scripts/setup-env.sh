@@ -22,7 +22,10 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -r "$ROOT/requirements/cpu.txt" -r "$ROOT/requirements/dev.txt" 2> >(grep -v "is ignored: it is neither" >&2)
 # Step 2: packages whose metadata would drag in CUDA-only extras or that declare Python ≥ 3.12.
 "${PIP[@]}" install --no-deps --ignore-requires-python -r "$ROOT/requirements/cpu-nodeps.txt" 2> >(grep -v "is ignored: it is neither" >&2)
-# Step 3: Miles itself (the packages and apps/dashboard), editable, without touching the pins above.
+# Step 3: the hubs' environment packages (verifiers, OpenEnv) and what they import, pinned, without their metadata's
+# dependencies, which would move pins of step 1 (requirements/hubs-nodeps.txt says which and why).
+"${PIP[@]}" install --no-deps -r "$ROOT/requirements/hubs-nodeps.txt" 2> >(grep -v "is ignored: it is neither" >&2)
+# Step 4: Miles itself (the packages and apps/dashboard), editable, without touching the pins above.
 "${PIP[@]}" install --no-deps --no-build-isolation \
   -e "$ROOT/packages/miles-sync" -e "$ROOT/packages/miles-rollout" \
   -e "$ROOT/packages/miles-train" -e "$ROOT/packages/miles-control" -e "$ROOT/apps/dashboard" 2> >(grep -v "is ignored: it is neither" >&2)
