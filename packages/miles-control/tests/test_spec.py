@@ -6,7 +6,7 @@ import pytest
 
 from miles_control.spec.config import PathModelConfig
 from miles_control.spec.load import SpecError, load_spec
-from miles_control.spec.paths import PATH_FIELDS
+from miles_control.spec.paths import NOT_A_PATH, PATH_FIELDS
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))  # with the task folders (examples/capitals/)
@@ -38,7 +38,8 @@ def test_every_shipped_example_parses(path):
             parsed = parsed[key]
         if isinstance(value, str) and keys[-1] == "reward" and ":" not in value:
             continue  # a registered reward's name
-        if tuple(k if not k.isdigit() else "*" for k in keys) in PATH_FIELDS and value not in ("none", "model"):
+        loc = tuple(k if not k.isdigit() else "*" for k in keys)
+        if loc in PATH_FIELDS and value not in NOT_A_PATH.get(loc, ()):
             assert parsed == str((path.parent / value).resolve()), keys  # resolved against the job file's folder
             continue
         assert parsed == value, (".".join(keys), value, parsed)
@@ -274,3 +275,15 @@ def test_a_wrong_kind_hides_no_other_error_of_its_section(tmp_path):
     assert "train.backend.world_size: Input should be greater than or equal to 1" in errors, errors
     errors = errors_of(write(tmp_path, "name: x\nschedule: {type: syncc, max_staleness: 2}\n"))
     assert len(errors) == 1 and errors[0].startswith("schedule: Input tag"), errors  # fully_async has it
+
+
+def test_kind_sft_with_a_section_that_is_not_a_mapping_is_a_validation_error():
+    """Found by the API fuzzer: `kind: sft` with `rollout: -64275` raised a TypeError (a 500 from
+    /api/v1/jobs/validate) where it must be a validation error naming the section."""
+    from pydantic import ValidationError
+
+    from miles_control.spec.config import JobSpec
+
+    for section in ("rollout", "train"):
+        with pytest.raises(ValidationError, match=section):
+            JobSpec.model_validate({"name": "x", "kind": "sft", section: -64275})

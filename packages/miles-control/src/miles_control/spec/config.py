@@ -254,6 +254,9 @@ class JobSpec(_Strict):
         """`kind: sft` fills what supervised fine-tuning needs where the spec leaves it out."""
         if not (isinstance(data, dict) and data.get("kind") == "sft"):
             return data
+        # a section that is not a mapping is left as it is: its own validation names it (never a server error)
+        if not all(isinstance(data.get(k) or {}, dict) for k in ("rollout", "train")):
+            return data
         rollout = dict(data.get("rollout") or {})
         rollout.setdefault("generate", "supervised")
         rollout.setdefault("num_samples_per_prompt", 1)
