@@ -139,7 +139,7 @@ def test_bad_hub_environments_are_refused_before_engines_start_naming_the_field(
             "type": "openenv", "app": "a:b", "url": "http://x"}}})  # fmt: skip
     with pytest.raises(ValidationError, match="set rollout.generate: multi_turn"):
         JobSpec.model_validate({**base, "rollout": {"environment": {"type": "verifiers", "id": "x"}}})
-    with pytest.raises(ValidationError, match="data.source: environment reads the dataset of a verifiers"):
+    with pytest.raises(ValidationError, match="data.source: environment reads the dataset of a verifiers environment"):
         JobSpec.model_validate({**base, "data": {"source": "environment", "chat_template": "model"}})
     with pytest.raises(ValidationError, match="data.chat_template: a verifiers environment's prompts"):
         JobSpec.model_validate({**base, "data": {"source": "environment"}, "rollout": {

@@ -332,17 +332,10 @@ class JobSpec(_Strict):
     def _environment_data(self) -> JobSpec:
         """data.source environment reads a verifiers environment's dataset: its prompts are conversations."""
         env = self.rollout.environment
-        if self.data.source == "environment":
-            if getattr(env, "type", None) != "verifiers":
-                raise ValueError(
-                    "data.source: environment reads the dataset of a verifiers environment; rollout.environment is "
-                    f"{env!r}"
-                )
-            if self.data.chat_template == "none":
-                raise ValueError(
-                    "data.chat_template: a verifiers environment's prompts are conversations; set model (or a Jinja "
-                    "file) to render them"
-                )
+        if self.data.source == "environment" and getattr(env, "type", None) != "verifiers":
+            raise ValueError(f"data.source: environment reads the dataset of a verifiers environment, not {env!r}")
+        if self.data.source == "environment" and self.data.chat_template == "none":
+            raise ValueError("data.chat_template: a verifiers environment's prompts are conversations; set model")
         return self
 
     @model_validator(mode="after")
