@@ -84,3 +84,23 @@ def test_a_sandbox_that_cannot_run_is_refused_before_engines_start(tmp_path):
     assert result.returncode != 0
     said = " ".join(result.stderr.split())  # the console wraps long lines
     assert "JobCheckError: rollout.code_sandbox.python: '/opt/python3' is not an executable absolute path" in said, said
+
+
+def test_the_coding_examples_tasks_are_make_tasks_output_and_each_has_asserts():
+    """examples/coding/tasks.jsonl is what make_tasks.py writes (rerun it after changing the families), and every
+    record has the asserts shape `reward: code` reads, with one function per record."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tasks", ROOT / "examples" / "coding" / "make_tasks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [json.loads(line) for line in (ROOT / "examples" / "coding" / "tasks.jsonl").read_text().splitlines()]
+    assert rows == module.records()
+    names = set()
+    for row in rows:
+        tests = cases_of(_sample("", tests=row["tests"]))
+        name = row["prompt"].split("`")[1].split("(")[0]
+        assert all(line.startswith(f"assert {name}(") for line in tests["asserts"]), row
+        names.add(name)
+    assert len(names) == len(rows)  # a held-out record never asks for a function a training record asks for

@@ -20,8 +20,8 @@ APP = ROOT / "apps" / "dashboard" / "src" / "miles_dashboard" / "app.py"
 
 def seed_run(store: Store, name: str, schedule: str, num_steps: int, final: JobStatus, **fields) -> int:
     spec = JobSpec(name=name, schedule={"type": schedule, "num_steps": num_steps}, **fields).model_dump(mode="json")
-    job = store.create_job(name, spec, source="api")
-    store.set_status(job, JobStatus.STARTING)
+    # created `starting`, as `miles run` creates its own: a launcher serving this store never takes a seeded run
+    job = store.create_job(name, spec, source="api", status=JobStatus.STARTING)
     store.set_status(job, JobStatus.RUNNING)
     t = time.time() - 100
     for step in range(1, 6):

@@ -64,6 +64,33 @@ def test_a_verifiers_environment_runs_on_miles_engines_and_its_rubric_scores_it(
 
 
 @pytest.mark.slow
+def test_a_verifiers_tool_environment_calls_its_tool_with_the_models_call(tmp_path):
+    """Two steps of examples/hubs/verifiers-tools.yaml on additions (the calculator model calls on about half of
+    them): verifiers' ToolEnv receives the call the model wrote as its tool_calls, runs its tool on exactly that
+    argument, the tool's answer is the next turn (masked out of the loss), and its tool monitor's counts are metrics."""
+    store = run_example(tmp_path, "verifiers-tools", *SHORT, 'rollout.environment.args={"op": "+"}',
+                        "store.samples_per_step=32")  # fmt: skip
+    series = {name: dict(store.metric_series(1, name)) for name in
+              ("rollout/reward_mean", "reward/vf_correct", "reward/vf_call_calls", "reward/vf_total_tool_calls",
+               "rollout/num_turns", "rollout/env_token_frac")}  # fmt: skip
+    assert all(set(s) == {1, 2} for s in series.values()), series
+    for step in (1, 2):
+        assert series["rollout/reward_mean"][step] == pytest.approx(series["reward/vf_correct"][step], abs=1e-6)
+        calls = series["reward/vf_call_calls"][step]
+        assert calls == series["reward/vf_total_tool_calls"][step] and 0.0 < calls <= 1.0
+        # one call at most (max_turns 2), then one more model turn, unless the tokens ran out (max_total_tokens)
+        assert 1.0 < series["rollout/num_turns"][step] <= 1.0 + calls + 1e-6
+        assert 0.0 < series["rollout/env_token_frac"][step] < 1.0  # the tool's tokens, in the sample, out of the loss
+    called = [s for s in store.samples(1) if "\n[tool] " in s.response]
+    assert called, [s.response for s in store.samples(1)][:3]
+    for sample in called:  # the model's call, the tool's answer to exactly that call, the model's final answer
+        call, tool, answer = sample.response.split("\n")[:3]
+        a, b = call.removeprefix("[assistant] <call>").removesuffix("</call>").split("+")
+        assert tool == f"[tool] {int(a) + int(b)}=" and answer.startswith("[assistant] "), sample.response
+        assert sample.reward == float(answer.removeprefix("[assistant] ").strip() == sample.label), sample
+
+
+@pytest.mark.slow
 def test_an_openenv_server_runs_episodes_of_a_job(tmp_path):
     """Two steps of examples/hubs/openenv.yaml: Miles starts the OpenEnv server, one WebSocket session per
     episode; the server's question is the prompt, its rewards the episode's, its done the end."""

@@ -174,3 +174,43 @@ def test_smollm2_episode_ids_are_its_chat_template_rendering(monkeypatch):
         expected = "".join(f"\n<|im_start|>user\n{m['content']}<|im_end|>\n<|im_start|>assistant\n" for m in env)
         assert env_text == expected, (env_text, expected)
     assert retried, [s.metadata["episode"]["messages"] for s in batch.samples]
+
+
+@pytest.mark.sglang
+def test_smollm2_judges_on_sglang_as_on_the_hf_engine():
+    """An instruct model as a judge (rollout.judge with a model folder) on each engine the judge may use: the same
+    greedy verdicts parsed to the same rewards, none unparsed. SmolLM2-135M is a weak judge (it answers "No" to right
+    and wrong answers alike, docs/environments.md#judges); what this checks is the path, on a real chat model."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed")
+    import asyncio
+
+    from miles_control.job.assets import resolve_model_path
+    from miles_control.spec.config import JobSpec
+    from miles_rollout.config import JudgeConfig
+    from miles_rollout.judge import JudgeReward, judge_metrics
+    from miles_rollout.types import Sample
+
+    path = resolve_model_path(
+        JobSpec.model_validate({"name": "j", "model": {"source": "package", "name": "smollm2-135m-instruct"}})
+    )
+    cases = [("What is the capital of France?", "Paris", "Paris"), ("What is the capital of France?", "Paris", "Rome"),
+             ("What is 2+3?", "5", "5"), ("What is 2+3?", "5", "7")]  # fmt: skip
+    template = ("Question: {question}\nReference answer: {reference}\nStudent answer: {answer}\n"
+                "Does the student answer match the reference answer? Reply with yes or no only.")  # fmt: skip
+    verdicts = {}
+    for engine in ("hf", "sglang"):
+        config = JudgeConfig(model=str(path), engine=engine, template=template, verdict="choice",
+                             choices={"yes": 1.0, "no": 0.0}, default=0.5, max_new_tokens=8)  # fmt: skip
+        judge = JudgeReward(config)
+        judge.attach(path)
+        samples = [Sample(group_index=0, prompt=q, label=r, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0],
+                          loss_mask=[1], response_text=a) for q, r, a in cases]  # fmt: skip
+        try:
+            rewards = asyncio.run(judge(samples))
+        finally:
+            judge.shutdown()
+        assert judge_metrics(samples) == {"reward/judge_unparsed": 0.0}, [s.metadata["judge"] for s in samples]
+        assert set(rewards) <= {0.0, 1.0}
+        verdicts[engine] = rewards
+    assert verdicts["sglang"] == verdicts["hf"]

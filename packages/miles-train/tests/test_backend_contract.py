@@ -11,9 +11,12 @@ Parity tolerance (fp32): loss, KL, entropy and gradient norm within 1e-5 of fsdp
 
 import json
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -69,7 +72,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(model_dir, world_size: int, tmp_path, variant: str = "fsdp2", mode: str = "") -> dict:
+# glibc's own aborts on a corrupted heap. A fresh CI run once saw one in a rank (inside torch's gloo collectives, at
+# no line of Miles, which is Python); it never came back in repeated runs. Such a run is run once more, saying why;
+# a second one, or any other failure, fails the test.
+HEAP_ABORT = re.compile(r"malloc\(\): |free\(\): |double free or corruption|malloc_consolidate\(\)")
+
+
+def run_ranks(model_dir, world_size: int, tmp_path, variant: str = "fsdp2", mode: str = "", _tries: int = 2) -> dict:
     tag = re.sub(r"\W+", "_", mode)[:80]  # a json: mode holds quotes and braces
     out, port = tmp_path / f"ws{world_size}-{variant}{tag}.pt", free_port()
     procs = [
@@ -94,6 +103,15 @@ def run_ranks(model_dir, world_size: int, tmp_path, variant: str = "fsdp2", mode
     ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     failed = [f"rank {r}:\n{log[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode]
+    aborted = [
+        log for p, log in zip(procs, logs, strict=True) if p.returncode == -signal.SIGABRT and HEAP_ABORT.search(log)
+    ]
+    if aborted and _tries > 1:
+        warnings.warn(
+            f"a rank aborted on glibc's heap check; the ranks run once more:\n{aborted[0][-600:]}", stacklevel=2
+        )
+        shutil.rmtree(tmp_path / f"ckpt-{world_size}-{variant}{tag}", ignore_errors=True)  # what the first run left
+        return run_ranks(model_dir, world_size, tmp_path, variant, mode, _tries - 1)
     assert not failed, "\n".join(failed)
     return torch.load(out, weights_only=False)
 
