@@ -204,6 +204,12 @@ class TrainConfig(_Strict):
         "sync.lora says whether a push "
         "sends the adapter or the merged weights. None: full fine-tuning.",
     )
+    freeze: list[str] = Field(
+        default_factory=list,
+        description="Parameters not trained, as shell-style patterns over the checkpoint's names "
+        "(`model.embed_tokens.*`, `model.layers.0.*`): no gradient, no optimizer state; each pattern must match a "
+        "parameter (checked before start). With sync.delta a push never sends them after the first. Backend fsdp2.",
+    )
     routing_replay: bool = Field(
         False,
         description="A mixture of experts: the trainer's routers send each token to the experts the engine chose at "
@@ -288,6 +294,13 @@ class TrainConfig(_Strict):
                 "tensor-parallel plan shards plain linears, and PEFT's adapter layers replace them; use "
                 "tensor_parallel_size 1 (FSDP2 over every rank) or backend fsdp2"
             )
+        if self.freeze and kind != "fsdp2":
+            raise ValueError(
+                f"train.freeze: backend {kind} holds its parameters under its own names (fused, sharded), which the "
+                "checkpoint's name patterns do not map onto yet; use backend fsdp2"
+            )
+        if self.freeze and self.lora is not None:
+            raise ValueError("train.freeze with train.lora: LoRA already trains the adapter alone; use one of them")
         if self.lora is not None and self.quantization != "none":
             raise ValueError(
                 f"train.lora with train.quantization: {self.quantization}: the fake quantization would round the "

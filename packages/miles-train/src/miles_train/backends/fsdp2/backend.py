@@ -1,7 +1,7 @@
 """FSDP2 trainer backend: the HF model (`convert.py`), `fully_shard` per layer (`parallelize.py`), gloo on CPU /
 NCCL on GPU, the shared GRPO update. With `train.lora` the model is wrapped by PEFT before it is sharded
 (miles_train.lora): the base frozen, the optimizer over the adapter, pushes of the adapter or the merged weights,
-checkpoints with the adapter in PEFT's layout."""
+checkpoints with the adapter in PEFT's layout. `train.freeze` turns off the named parameters before sharding."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from miles_train.backends.fsdp2 import convert
 from miles_train.backends.fsdp2.parallelize import apply_fsdp
 from miles_train.backends.weights_as import dtensor_replicas
 from miles_train.collate import Collated
+from miles_train.freeze import freeze as frozen_by
 from miles_train.protocol import Rank
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class FSDP2Backend:
         self.reference: torch.nn.Module | None = None
         self.loss_scale = float(self.world_size)  # FSDP2 averages over ranks: × world_size gives the global token mean
         self.model_path = str(model_path)
-        self.model = self._load(model_path, adapter=self.config.lora is not None)
+        self.frozen: list[str] = []  # train.freeze: the parameters it names (no gradient, no optimizer state)
+        self.model = self._load(model_path, adapter=self.config.lora is not None, freeze=True)
         self.hf_config = self.model.config
         self.optimizer = adamw(self.model, self.config)
         if self.config.needs_reference and self.config.reference_is_base:  # LoRA: the base under the adapter
@@ -50,8 +52,10 @@ class FSDP2Backend:
 
             self.scaler = ShardedGradScaler(device=self.device.type)
 
-    def _load(self, model_path: str | Path, adapter: bool = False) -> torch.nn.Module:
+    def _load(self, model_path: str | Path, adapter: bool = False, freeze: bool = False) -> torch.nn.Module:
         model = convert.load_hf_model(model_path, self.device)
+        if freeze and self.config.freeze:  # before sharding: FSDP2 keeps each parameter's requires_grad
+            self.frozen = frozen_by(model, self.config.freeze)
         if adapter:  # PEFT wraps the transformers modules; FSDP2 then shards the wrapped model
             assert self.config.lora is not None
             model = lora.wrap(model, self.config.lora.peft_kwargs(), model_path)
