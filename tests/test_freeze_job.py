@@ -35,10 +35,10 @@ def test_a_frozen_embedding_and_layer_are_not_pushed_and_every_push_checks(tmp_p
     assert series["sync/unchanged_tensors"][1] == 0  # the first push is whole: no base yet
     from miles_control.job.assets import resolve_model_path
     from miles_control.spec.config import JobSpec
-    from miles_train.freeze import check_patterns, checkpoint_names
+    from miles_train.freeze import check_patterns, parameter_names
 
     frozen = check_patterns(
-        checkpoint_names(resolve_model_path(JobSpec.model_validate({"name": "x"}))),
+        parameter_names(resolve_model_path(JobSpec.model_validate({"name": "x"}))),
         ["model.embed_tokens.*", "model.layers.0.*"],
     )
     # from the second push on, the frozen tensors are held back (unchanged), and the trained ones all moved

@@ -81,13 +81,21 @@ def test_a_verifiers_tool_environment_calls_its_tool_with_the_models_call(tmp_pa
         # one call at most (max_turns 2), then one more model turn, unless the tokens ran out (max_total_tokens)
         assert 1.0 < series["rollout/num_turns"][step] <= 1.0 + calls + 1e-6
         assert 0.0 < series["rollout/env_token_frac"][step] < 1.0  # the tool's tokens, in the sample, out of the loss
-    called = [s for s in store.samples(1) if "\n[tool] " in s.response]
+    called = [s.response.split("\n") for s in store.samples(1) if "\n[tool] " in s.response]
     assert called, [s.response for s in store.samples(1)][:3]
-    for sample in called:  # the model's call, the tool's answer to exactly that call, the model's final answer
-        call, tool, answer = sample.response.split("\n")[:3]
-        a, b = call.removeprefix("[assistant] <call>").removesuffix("</call>").split("+")
-        assert tool == f"[tool] {int(a) + int(b)}=" and answer.startswith("[assistant] "), sample.response
-        assert sample.reward == float(answer.removeprefix("[assistant] ").strip() == sample.label), sample
+    # At temperature 1 the character-level model may also write a call the tool cannot read (its answer is then
+    # verifiers' error text) or run out of tokens after the tool's turn; every well-formed call is checked.
+    checked = 0
+    for lines in called:  # the model's call, the tool's answer to exactly that call
+        call = re.fullmatch(r"\[assistant\] <call>(\d+)\+(\d+)</call>", lines[0])
+        if call is not None:
+            assert lines[1] == f"[tool] {int(call[1]) + int(call[2])}=", lines
+            checked += 1
+    assert checked >= len(called) / 2, called
+    for sample in store.samples(1):  # the reward is the rubric's: the last assistant turn against the label
+        answers = [line for line in sample.response.split("\n") if line.startswith("[assistant] ")]
+        if answers and "<call>" not in answers[-1]:
+            assert sample.reward == float(answers[-1].removeprefix("[assistant] ").strip() == sample.label), sample
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from miles_control.testing.servers import free_port
 from miles_train import TrainConfig
-from miles_train.freeze import check_patterns, checkpoint_names, matches
+from miles_train.freeze import check_patterns, matches, parameter_names
 
 RANK_SCRIPT = Path(__file__).with_name("freeze_rank.py")
 PATTERNS = ["model.embed_tokens.*", "model.layers.0.*"]
@@ -29,8 +29,18 @@ def test_patterns_match_shell_style_and_a_pattern_that_matches_nothing_is_named(
         check_patterns(names, ["*"])
 
 
-def test_the_checkpoint_names_are_read_from_its_headers(tiny_model_dir):
-    names = checkpoint_names(tiny_model_dir)
+def test_a_tied_head_is_named_as_the_embedding():
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    with pytest.raises(ValueError, match=r"ties its head to the embedding: model.embed_tokens.\* freezes both"):
+        check_patterns(names, ["lm_head.*"])
+
+
+def test_the_parameter_names_are_the_trainers_without_reading_a_weight(tiny_model_dir):
+    """Built on the meta device from config.json: the same names the trainer's model has."""
+    from transformers import AutoModelForCausalLM
+
+    names = parameter_names(tiny_model_dir)
+    assert names == [n for n, _ in AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).named_parameters()]
     assert "model.embed_tokens.weight" in names and any(n.startswith("model.layers.0.") for n in names)
 
 
@@ -49,10 +59,13 @@ def test_a_freeze_a_backend_cannot_run_is_refused_naming_the_field(train, messag
 
 @pytest.mark.slow
 def test_frozen_parameters_never_change_and_hold_no_optimizer_state(tiny_model_dir, tmp_path):
-    out, port = tmp_path / "freeze.pt", free_port()
+    """Two steps, a checkpoint, a fresh trainer resuming from it and a third step: the frozen weights are the
+    checkpoint's bit for bit throughout, the optimizer holds the trained ones only, before and after the resume."""
+    out, ports = tmp_path / "freeze.pt", [str(free_port()), str(free_port())]
     procs = [
-        subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(tiny_model_dir), str(r), "2", str(port), str(out),
-                          json.dumps(PATTERNS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(tiny_model_dir), str(r), "2", ports[0], str(out),
+                          json.dumps(PATTERNS), str(tmp_path / "ckpt"), ports[1]],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(2)
     ]  # fmt: skip
     logs = [p.communicate(timeout=600)[0] for p in procs]
@@ -67,4 +80,9 @@ def test_frozen_parameters_never_change_and_hold_no_optimizer_state(tiny_model_d
     for name, before in record["before"].items():
         changed = not torch.equal(before, record["after"][name])
         assert changed == (name not in frozen), name  # frozen: bit for bit the same; every other weight moved
-    assert all(m["train/grad_norm"] > 0 for m in record["metrics"])
+    assert all(m["train/grad_norm"] > 0 for m in record["metrics"] + [record["resumed_metrics"]])
+    assert record["resumed_with_state"] == record["with_state"]  # the optimizer state resumed, of the trained ones
+    for name, saved in record["after"].items():
+        assert torch.equal(record["loaded"][name], saved), name  # the checkpoint holds every weight
+        moved = not torch.equal(record["third"][name], saved)
+        assert moved == (name not in frozen), name

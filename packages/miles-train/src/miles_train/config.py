@@ -206,9 +206,10 @@ class TrainConfig(_Strict):
     )
     freeze: list[str] = Field(
         default_factory=list,
-        description="Parameters not trained, as shell-style patterns over the checkpoint's names "
-        "(`model.embed_tokens.*`, `model.layers.0.*`): no gradient, no optimizer state; each pattern must match a "
-        "parameter (checked before start). With sync.delta a push never sends them after the first. Backend fsdp2.",
+        description="Policy parameters not trained, as shell-style patterns over the names of the transformers model "
+        "(`model.embed_tokens.*`, `model.layers.0.*`; a tied head is the embedding): no gradient, no optimizer state; "
+        "each pattern must match a parameter (checked before start). With sync.delta a push never sends them after "
+        "the first. Backend fsdp2; a PPO critic trains all of its own.",
     )
     routing_replay: bool = Field(
         False,

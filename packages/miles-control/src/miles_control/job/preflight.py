@@ -80,11 +80,11 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
         )
     check_precision(spec, model_path)
     check_quantization(spec, hf_config)
-    if spec.train.freeze:  # each pattern against the checkpoint's tensor names (its safetensors headers)
-        from miles_train.freeze import check_patterns, checkpoint_names
+    if spec.train.freeze:  # each pattern against the trainer's parameter names (the model built on the meta device)
+        from miles_train.freeze import check_patterns, parameter_names
 
         try:
-            check_patterns(checkpoint_names(model_path), spec.train.freeze, f"model {model_path}")
+            check_patterns(parameter_names(model_path), spec.train.freeze, f"model {model_path}")
         except ValueError as exc:
             raise JobCheckError(str(exc)) from None
     try:
