@@ -297,8 +297,8 @@ class TrainConfig(_Strict):
             )
         if self.freeze and kind != "fsdp2":
             raise ValueError(
-                f"train.freeze: backend {kind} holds its parameters under its own names (fused, sharded), which the "
-                "checkpoint's name patterns do not map onto yet; use backend fsdp2"
+                f"train.freeze: backend {kind} holds its parameters under its own names (fused, sharded), which "
+                "patterns over the transformers model's names do not map onto yet; use backend fsdp2"
             )
         if self.freeze and self.lora is not None:
             raise ValueError("train.freeze with train.lora: LoRA already trains the adapter alone; use one of them")
