@@ -29,8 +29,11 @@ import torch
 # over two).
 FAMILIES = (
     "qwen2.5", "llama3", "llama3.2", "qwen3", "mistral", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma3_text",
-    "olmoe", "qwen2_moe", "deepseek_v3",
+    "olmoe", "qwen2_moe", "deepseek_v3", "qwen2_5_vl", "qwen3_vl",
 )  # fmt: skip
+# vision-language families (miles_control.testing.tiny_models.VISION_FAMILIES): their prompts carry an image each,
+# the trainer's forward takes the engine's pixel inputs, and a push carries the vision tower
+VISION = ("qwen2_5_vl", "qwen3_vl")
 # What the rebuilt models of megatron and torchtitan do not cover, and the config.json field their refusal names
 # (everything else is expected to run).
 REBUILT = ("megatron", "torchtitan")
@@ -42,11 +45,13 @@ REFUSED = {
     ("olmo2", "megatron"): "model_type: 'olmo2'",
     ("olmo2", "torchtitan"): "model_type: 'olmo2'",
     **{(f, b): f"model_type: '{f}'" for f in ("gemma3_text", "olmoe", "qwen2_moe", "deepseek_v3") for b in REBUILT},
+    **{(f, b): f"model_type '{f}' is a vision-language model" for f in VISION for b in REBUILT},
 }
 # What SGLang's CPU path cannot serve (miles_rollout.engines.SGLANG_CPU_REFUSED), refused before its servers start
 ENGINE_REFUSED = {
     ("qwen2_moe", "sglang"): "model_type: 'qwen2_moe'",
     ("deepseek_v3", "sglang"): "model_type: 'deepseek_v3'",
+    **{(f, "sglang"): f"model_type: '{f}' is a vision-language model" for f in VISION},  # Miles sends it no images
 }
 # The table docs/real-models.md shows, one row per family: what sets it apart
 TITLES = {
@@ -63,6 +68,8 @@ TITLES = {
     "olmoe": "OLMoE (q/k norms, every MLP a mixture of experts, top-k without renormalising)",
     "qwen2_moe": "Qwen2-MoE (routed experts beside a gated shared expert)",
     "deepseek_v3": "DeepSeek-V3 (latent attention, dense first layer, sigmoid-scored experts, shared expert)",
+    "qwen2_5_vl": "Qwen2.5-VL (windowed-attention vision tower, 3-D RoPE; an image in every prompt)",
+    "qwen3_vl": "Qwen3-VL (vision tower feeding early layers (deepstack), interleaved 3-D RoPE; an image per prompt)",
 }
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("fsdp2", "megatron", "torchtitan")
@@ -98,9 +105,12 @@ def table() -> str:
 
 
 def build_model(family: str, dtype: str, folder: Path, **overrides: Any) -> Path:
-    """A tiny random-weight model of `family` with the arithmetic character tokenizer, saved in `dtype`; `overrides`
-    are config fields (e.g. `num_local_experts`)."""
-    from miles_control.testing.tiny_models import save_tiny_model, tiny_model
+    """A tiny random-weight model of `family` with the arithmetic character tokenizer (a vision-language family: its
+    processor's), saved in `dtype`; `overrides` are config fields (e.g. `num_local_experts`)."""
+    from miles_control.testing.tiny_models import save_tiny_model, save_tiny_vision_model, tiny_model
+
+    if family in VISION:
+        return save_tiny_vision_model(folder, family, seed=sum(map(ord, family)), dtype=dtype)
     from miles_rollout.tasks.arithmetic import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
@@ -213,6 +223,16 @@ def engine_refusal(engine: str, model_dir: Path) -> str | None:
     return None
 
 
+def vision_prompts(model_dir: Path, num: int = 4) -> list[tuple[list[int], dict]]:
+    """Prompts with an image each (the counting task's), as the model's processor renders them."""
+    from miles_rollout.prompts import load_encoder
+    from miles_rollout.tasks.counting import QUESTION, counting_rows
+    from miles_rollout.types import PromptRecord
+
+    encoder = load_encoder(model_dir, "model")
+    return [encoder.inputs(PromptRecord(QUESTION, label, images=[image])) for image, label in counting_rows(num, 0)]
+
+
 def capitals_prompts(model_dir: Path, num: int = 2) -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -254,7 +274,8 @@ def main() -> None:
                 if refused is not None:  # before any server starts, as a job's check does
                     results |= {f"{cell}/{engine}/{b}": {"refused": refused} for b in BACKENDS}
                     continue
-                plan.append((model_dir, engine, BACKENDS, f"{cell}/{engine}", {}))
+                options = {"prompts": vision_prompts(model_dir)} if family in VISION else {}
+                plan.append((model_dir, engine, BACKENDS, f"{cell}/{engine}", options))
     if plan:
         run_plan(plan, workdir, results)
     out.write_text(json.dumps(results, indent=1))

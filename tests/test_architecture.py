@@ -31,6 +31,7 @@ DIST_OF = {
     "pydantic_settings": "pydantic-settings",
     "megatron": "megatron-core",
     "mlflow": "mlflow-skinny",  # the tracking extra's client (the full `mlflow` provides the same import)
+    "PIL": "pillow",
 }
 
 

@@ -261,6 +261,32 @@ def test_samples_are_tied_to_steps(app, dashboard_api):
     assert "**tool**: 42" in "\n".join(md.value for m in at.chat_message for md in m.markdown)
 
 
+def test_a_samples_images_are_shown_beside_its_text(app, dashboard_api):
+    """A vision-language model's sample: the images the recorder stored (thumbnails as data URIs) next to its text."""
+    from types import SimpleNamespace
+
+    from miles_control.job.recorder import _thumbnails
+    from miles_rollout.tasks.counting import counting_rows
+
+    image = counting_rows(1, seed=0)[0][0]
+    stored = _thumbnails(SimpleNamespace(images=[image]))
+    assert stored and stored[0].startswith("data:image/png;base64,")
+    store = dashboard_api["store"]
+    job = seed_run(store, "image-run", "sync", 2, JobStatus.SUCCEEDED)
+    store.add_samples(job, 1, [dict(prompt="how many squares?", response="3", label="3", reward=1.0,
+                                    status="completed", num_tokens=2, images=stored)])  # fmt: skip
+    at = app.run()
+    at.switch_page("views/job.py")
+    at.session_state["job_id"] = job
+    at.session_state[f"grid-{job}-rollout/reward_mean"] = {"selection": {"pick": [{"step": 1}]}}
+    at.run()
+    assert not at.exception
+    box = at.selectbox(key=f"sample-step-{job}-1")
+    box.set_value(next(i for i, o in enumerate(box.options) if "how many squares" in o)).run()
+    assert len(at.get("image")) == 1  # st.image's element, beside the text
+    assert "**response**: 3" in "\n".join(m.value for m in at.markdown)
+
+
 def test_resources_tab_plots_each_workers_cpu_and_memory(app, dashboard_api):
     store = dashboard_api["store"]
     job = seed_run(store, "resources-run", "sync", 5, JobStatus.SUCCEEDED)

@@ -27,9 +27,11 @@ def test_upgrade_downgrade_upgrade(store_url):
     engine = make_engine(store_url)
     assert current_revision(engine) is None and tables(engine) == set()
     upgrade(engine)
-    assert current_revision(engine) == head_revision() == "0003"
+    assert current_revision(engine) == head_revision() == "0004"
     assert TABLES | {"api_tokens"} <= tables(engine)
-    assert {"num_tokens", "logprobs", "turns"} <= {c["name"] for c in inspect(engine).get_columns("samples")}
+    assert {"num_tokens", "logprobs", "turns", "images"} <= {c["name"] for c in inspect(engine).get_columns("samples")}
+    downgrade(engine, "0003")  # a sample's images go
+    assert "images" not in {c["name"] for c in inspect(engine).get_columns("samples")}
     downgrade(engine, "0002")  # the detail columns of samples go
     assert "logprobs" not in {c["name"] for c in inspect(engine).get_columns("samples")}
     downgrade(engine, "0001")
@@ -38,7 +40,7 @@ def test_upgrade_downgrade_upgrade(store_url):
     downgrade(engine, "base")
     assert tables(engine) == set() and current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == "0003" and TABLES <= tables(engine)
+    assert current_revision(engine) == "0004" and TABLES <= tables(engine)
     engine.dispose()
 
 

@@ -285,6 +285,12 @@ class DataConfig(_Strict):
     )
     prompt_key: str = Field("prompt", description="Key of the prompt: a text, or a list of {role, content} messages.")
     label_key: str = "label"
+    image_key: str = Field(
+        "images",
+        description="Key of a prompt's images, for a vision-language model (a row without it has none): a path "
+        "(relative to the data file), the bytes of an image file or a datasets Image, one or a list per prompt. "
+        "They open the first user turn, rendered by the model's processor (data.chat_template: model or a file).",
+    )
     chat_template: str = Field(
         "none",
         description="none: prompts are encoded as plain text; model: rendered with the tokenizer's chat template "

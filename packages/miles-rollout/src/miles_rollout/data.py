@@ -14,7 +14,11 @@ class PromptDataError(ValueError):
     """A prompt file that cannot be used; the message names the file and, where known, the line."""
 
 
-def load_prompts(path: str | Path, prompt_key: str = "prompt", label_key: str = "label") -> list[PromptRecord]:
+def load_prompts(
+    path: str | Path, prompt_key: str = "prompt", label_key: str = "label", image_key: str = "images"
+) -> list[PromptRecord]:
+    """The prompts of a JSONL or Parquet file; a row's `image_key` column (if any) holds its images, paths
+    relative to the file."""
     path = Path(path)
     if not path.exists():
         raise PromptDataError(f"{path}: no such prompt file")
@@ -24,29 +28,41 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", label_key: str = 
         rows = _read_jsonl(path)
     else:
         raise PromptDataError(f"{path}: unsupported prompt file type {path.suffix!r} (use .jsonl or .parquet)")
-    return records_from_rows(rows, str(path), prompt_key, label_key)
+    return records_from_rows(rows, str(path), prompt_key, label_key, image_key, base=path.parent)
 
 
 def records_from_rows(
-    rows: Iterable[tuple[str, dict]], source: str, prompt_key: str = "prompt", label_key: str = "label"
+    rows: Iterable[tuple[str, dict]],
+    source: str,
+    prompt_key: str = "prompt",
+    label_key: str = "label",
+    image_key: str = "images",
+    base: Path | None = None,
 ) -> list[PromptRecord]:
     """Prompt records from `(where, row)` pairs: `row[prompt_key]` is a text or a list of {role, content} messages,
-    `row[label_key]` the label, the other columns the record's metadata. Errors name `source:where` and the key."""
+    `row[label_key]` the label, `row[image_key]` (when present) its images (`miles_rollout.images`: paths relative
+    to `base`, bytes, `datasets` Image cells; one or a list), the other columns the record's metadata. Errors name
+    `source:where` and the key."""
+    from miles_rollout.images import images_of
+
     records = []
     for where, row in rows:
         missing = [k for k in (prompt_key, label_key) if k not in row]
         if missing:
             raise PromptDataError(f"{source}:{where}: missing key(s) {missing}; present: {sorted(row)}")
-        extra = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
+        extra = {k: v for k, v in row.items() if k not in (prompt_key, label_key, image_key)}
+        images = images_of(row.get(image_key), f"{source}:{where}: {image_key}", base)
         prompt = row[prompt_key]
         if isinstance(prompt, list):
             messages = _messages(prompt, f"{source}:{where}: {prompt_key}")
             user = [m["content"] for m in messages if m["role"] == "user"]
             records.append(
-                PromptRecord(user[-1] if user else messages[-1]["content"], str(row[label_key]), extra, messages)
+                PromptRecord(
+                    user[-1] if user else messages[-1]["content"], str(row[label_key]), extra, messages, images
+                )
             )
         else:
-            records.append(PromptRecord(str(prompt), str(row[label_key]), extra))
+            records.append(PromptRecord(str(prompt), str(row[label_key]), extra, images=images))
     if not records:
         raise PromptDataError(f"{source}: no prompts")
     return records

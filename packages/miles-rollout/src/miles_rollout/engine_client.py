@@ -73,14 +73,17 @@ class EngineClient:
         self.num_aborted = 0  # requests ended by abort_outstanding()
         self.closed = False  # after abort_outstanding(): new requests end at once, aborted (an episode's next turn)
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, request_id: str = "") -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str = "", multimodal: dict | None = None
+    ) -> GenerateResult:
         """The engine's result for `input_ids` (its output ids, their logprobs, the finish reason, the weight
-        versions it ran). ValueError, naming the offending id, for ids outside the vocabulary."""
+        versions it ran). ValueError, naming the offending id, for ids outside the vocabulary. `multimodal`: the
+        processor's inputs for a prompt with images (`PromptEncoder.inputs`)."""
         where = f"generate: request {request_id or self._count + 1}: input_ids"
         check_ids(input_ids, self.vocab_size, where)
         if not input_ids:
             raise ValueError(f"{where} is empty")
-        result = await self._request(input_ids, sampling, request_id)
+        result = await self._request(input_ids, sampling, request_id, multimodal)
         parts = [result]
         made = len(result.output_ids)
         while (
@@ -93,7 +96,7 @@ class EngineClient:
             self.num_continued += 1
             rest = replace(sampling, max_new_tokens=sampling.max_new_tokens - made)
             done = [i for part in parts for i in part.output_ids]
-            result = await self._request(list(input_ids) + done, rest, f"{request_id}+{len(parts)}")
+            result = await self._request(list(input_ids) + done, rest, f"{request_id}+{len(parts)}", multimodal)
             parts.append(result)
             made += len(result.output_ids)
             if not result.output_ids:  # aborted before its first id: not a push's doing (a refused request)
@@ -103,11 +106,13 @@ class EngineClient:
             joined.finish_reason = FinishReason.LENGTH  # aborted with every id it could have: it is complete
         return joined
 
-    async def _request(self, input_ids: list[int], sampling: SamplingParams, request_id: str) -> GenerateResult:
+    async def _request(
+        self, input_ids: list[int], sampling: SamplingParams, request_id: str, multimodal: dict | None = None
+    ) -> GenerateResult:
         self._count += 1
         # unique whatever the caller names it (SGLang's rid; abort_outstanding finds requests by it)
         rid = f"{self._prefix}:{self._count}:{request_id}" if request_id else f"{self._prefix}:{self._count}"
-        request = GenerateRequest(list(input_ids), sampling, request_id=rid)
+        request = GenerateRequest(list(input_ids), sampling, request_id=rid, multimodal=multimodal)
         if self.closed:
             self.num_aborted += 1
             return GenerateResult(request.request_id, [], [], FinishReason.ABORT, [])

@@ -54,8 +54,9 @@ class GenerateContext:
 
 async def single_turn(record: PromptRecord, client: EngineClient, sampling: SamplingParams, ctx: GenerateContext):
     """One completion of the prompt; the built-in default."""
-    prompt_ids = ctx.encoder.encode(record)
-    result = await client.generate(prompt_ids, sampling, request_id=f"{ctx.group_index}-{ctx.sample_index}")
+    prompt_ids, multimodal = ctx.encoder.inputs(record)
+    request_id = f"{ctx.group_index}-{ctx.sample_index}"
+    result = await client.generate(prompt_ids, sampling, request_id=request_id, multimodal=multimodal)
     return Sample(
         group_index=ctx.group_index,
         prompt=record.prompt,
@@ -70,6 +71,7 @@ async def single_turn(record: PromptRecord, client: EngineClient, sampling: Samp
         metadata=dict(record.metadata),
         token_versions=result.versions_per_token(),
         routed_experts=result.routed_experts,
+        multimodal=multimodal,
     )
 
 

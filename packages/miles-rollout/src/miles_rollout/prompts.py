@@ -15,16 +15,38 @@ from miles_rollout.data import PromptDataError
 from miles_rollout.types import PromptRecord
 
 
+def load_encoder(
+    model_path: str | Path, chat_template: str = "none", system_prompt: str | None = None
+) -> PromptEncoder:
+    """The encoder of the model in an HF folder: its tokenizer, and a vision-language model's processor (which
+    renders prompts with images)."""
+    import transformers
+
+    from miles_sync.vision import is_vision_language
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_path))
+    processor = None
+    if is_vision_language(transformers.AutoConfig.from_pretrained(str(model_path))):
+        processor = transformers.AutoProcessor.from_pretrained(str(model_path))
+    return PromptEncoder(tokenizer, chat_template, system_prompt, processor)
+
+
 class PromptEncoder:
     """Encodes prompt records for one tokenizer; built once per rollout worker."""
 
-    def __init__(self, tokenizer, chat_template: str = "none", system_prompt: str | None = None) -> None:
+    def __init__(
+        self, tokenizer, chat_template: str = "none", system_prompt: str | None = None, processor=None
+    ) -> None:
+        """`processor`: a vision-language model's (transformers' `AutoProcessor`), which renders prompts with images:
+        it expands each image's placeholder to as many ids as the image has features and makes its pixel inputs."""
         self.tokenizer = tokenizer
+        self.processor = processor
         self.system_prompt = system_prompt
+        self._vision: dict[tuple, tuple[list[int], dict]] = {}  # (text, images) → inputs, see inputs
         self.template: str | None = None
         self._ids: dict[str, list[int]] = {}  # text → ids, see encode
-        if chat_template == "model":
-            self.template = getattr(tokenizer, "chat_template", None)
+        if chat_template == "model":  # a vision-language model may keep its template with the processor alone
+            self.template = getattr(tokenizer, "chat_template", None) or getattr(processor, "chat_template", None)
             if not self.template:
                 raise PromptDataError(
                     "data.chat_template: model — this model's tokenizer has no chat template; "
@@ -43,6 +65,10 @@ class PromptEncoder:
         turns = record.messages if record.messages is not None else [{"role": "user", "content": record.prompt}]
         if self.system_prompt is not None and turns[0]["role"] != "system":
             turns = [{"role": "system", "content": self.system_prompt}, *turns]
+        if record.images:  # the images open the first user turn, in the content-list form multimodal templates take
+            first = next(i for i, turn in enumerate(turns) if turn["role"] == "user")
+            parts = [{"type": "image"} for _ in record.images] + [{"type": "text", "text": turns[first]["content"]}]
+            turns = [*turns[:first], {**turns[first], "content": parts}, *turns[first + 1 :]]
         return turns
 
     def text(self, record: PromptRecord, tools: list[dict] | None = None) -> str:
@@ -65,9 +91,42 @@ class PromptEncoder:
             messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
 
+    def inputs(self, record: PromptRecord, tools: list[dict] | None = None) -> tuple[list[int], dict | None]:
+        """The prompt's ids and, for a prompt with images, what the model takes for them (the processor's tensors
+        and `mm_token_type_ids`, one per id): `GenerateRequest.multimodal`. A group's samples share them (the last
+        `_KEEP_IDS` prompts are remembered)."""
+        if not record.images:
+            return self.encode(record, tools), None
+        if self.processor is None:
+            raise PromptDataError(
+                f"prompt {record.prompt[:60]!r} has {len(record.images)} image(s), but the model has no image "
+                "processor (a text model, or a folder without preprocessor/processor config)"
+            )
+        if self.template is None:
+            raise PromptDataError("a prompt with images needs data.chat_template (model, or a Jinja file)")
+        text = self.text(record, tools)
+        key = (text, tuple(record.images))
+        if key not in self._vision:
+            from miles_rollout.images import open_image
+
+            images = [
+                open_image(data, f"prompt {record.prompt[:60]!r}: image {i}") for i, data in enumerate(record.images)
+            ]
+            out = self.processor(text=[text], images=images, return_tensors="pt", return_mm_token_type_ids=True)
+            ids = out["input_ids"][0].tolist()
+            multimodal = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+            multimodal["mm_token_type_ids"] = out["mm_token_type_ids"][0].tolist()
+            if len(self._vision) >= _KEEP_VISION:
+                self._vision.clear()
+            self._vision[key] = (ids, multimodal)
+        ids, multimodal = self._vision[key]
+        return list(ids), dict(multimodal)
+
     def encode(self, record: PromptRecord, tools: list[dict] | None = None) -> list[int]:
-        """The prompt's ids. A group's samples share their prompt: its text is tokenized once (the last
-        `_KEEP_IDS` texts are remembered) and each caller gets its own copy."""
+        """The prompt's ids (a prompt with images: `inputs`). A group's samples share their prompt: its text is
+        tokenized once (the last `_KEEP_IDS` texts are remembered) and each caller gets its own copy."""
+        if record.images:
+            return self.inputs(record, tools)[0]
         text = self.text(record, tools) if self.template is not None else self.text(record)
         ids = self._ids.get(text)
         if ids is None:
@@ -113,4 +172,5 @@ class PromptEncoder:
 
 
 _KEEP_IDS = 4096  # prompt texts whose ids an encoder remembers (a step's prompts, many times over)
+_KEEP_VISION = 256  # prompts with images whose inputs an encoder remembers (their pixels weigh more)
 _PLACEHOLDER = "\u2063miles\u2063"  # invisible separators: text no template writes itself

@@ -35,6 +35,9 @@ class GenerateRequest:
     input_ids: list[int]
     sampling: SamplingParams
     request_id: str = ""
+    # a prompt with images: the model processor's tensors for them (`pixel_values`, `image_grid_thw`) and
+    # `mm_token_type_ids`, one entry per prompt id (1 where an id stands for image features); None for text
+    multimodal: dict[str, Any] | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -83,12 +86,16 @@ def status_of(reason: FinishReason) -> SampleStatus:
 @dataclass
 class PromptRecord:
     """One prompt of a task. `prompt` is its text (for a conversation, the last user turn's); `messages`, when
-    the data gives a conversation (`[{"role": ..., "content": ...}, ...]`), is rendered with the chat template."""
+    the data gives a conversation (`[{"role": ..., "content": ...}, ...]`), is rendered with the chat template;
+    `images`, for a vision-language model, are rendered with it by the model's processor."""
 
     prompt: str
     label: str
     metadata: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] | None = None
+    # the prompt's images, as the bytes of image files (PNG, JPEG...), checked readable when the data was loaded;
+    # the model's processor places them before the text of the first user turn
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -113,6 +120,9 @@ class Sample:
     # the engine's expert routing of prompt + response (GenerateResult.routed_experts): what train.routing_replay
     # replays; None when the engine gave none
     routed_experts: Any = None
+    # a prompt with images: what the engine was given for them (GenerateRequest.multimodal), which the trainer's
+    # forward takes too; None for text
+    multimodal: dict[str, Any] | None = None
 
     @property
     def oldest_weight_version(self) -> int:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from miles_sync.vision import batch_inputs
 from miles_train.types import TrainBatch
 
 
@@ -20,6 +21,9 @@ class Collated:
     # [B, T, layers × top_k]: the experts the engine routed each position to, −1 where it gave none (a mixture of
     # experts whose engine returned its routing; else None)
     routed_experts: torch.Tensor | None = None
+    # a batch with images: what the model's forward takes for them besides the ids (a vision-language model's
+    # `pixel_values`, `image_grid_thw`, `mm_token_type_ids` [B, T]); empty for text
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def collate(batch: TrainBatch, pad_token_id: int = 0) -> Collated:
@@ -40,6 +44,7 @@ def collate(batch: TrainBatch, pad_token_id: int = 0) -> Collated:
         torch.tensor(mask_rows, dtype=torch.float32),
         torch.tensor(rollout_rows, dtype=torch.float32),
         _routed(batch, width),
+        batch_inputs(batch.multimodal or [], [0] * len(batch), width),
     )
 
 
@@ -71,7 +76,7 @@ def token_logprobs(
     model: torch.nn.Module, collated: Collated, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each next token [B, T-1] under an HF causal LM (and the entropy, without grad)."""
-    logits = model(input_ids=collated.input_ids, attention_mask=collated.attention_mask).logits
+    logits = model(input_ids=collated.input_ids, attention_mask=collated.attention_mask, **collated.model_inputs).logits
     return logprobs_from_logits(logits, collated, temperature, with_entropy)
 
 

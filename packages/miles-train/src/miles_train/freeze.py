@@ -49,13 +49,16 @@ def check_patterns(names: Sequence[str], patterns: Sequence[str], where: str = "
 
 
 def parameter_names(model_path: str | Path) -> list[str]:
-    """The parameter names of the causal LM transformers builds from an HF folder, built on the meta device (its
-    config alone: no weight is read, no memory taken): what `freeze` will see in the trainer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The parameter names of the model transformers builds from an HF folder (a causal LM, or a vision-language
+    model with its tower), built on the meta device (its config alone: no weight is read, no memory taken): what
+    `freeze` will see in the trainer."""
+    import transformers
 
-    config = AutoConfig.from_pretrained(str(model_path))
+    from miles_sync.vision import model_class_name
+
+    config = transformers.AutoConfig.from_pretrained(str(model_path))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = getattr(transformers, model_class_name(config)).from_config(config)
     return [name for name, _ in model.named_parameters()]
 
 

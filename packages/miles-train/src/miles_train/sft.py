@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -19,19 +20,28 @@ from miles_train.loss import LossInputs, aggregate
 from miles_train.objectives import Objective, build_objective
 from miles_train.types import TrainBatch
 
-Example = tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]
+# (prompt, completion) or (prompt, completion, mask); a prompt is its ids, or (ids, multimodal inputs) for a prompt
+# with images (a vision-language model's processor inputs, as `PromptEncoder.inputs` gives them)
+Example = tuple[Any, list[int]] | tuple[Any, list[int], list[int]]
+
+
+def _prompt(example: Example) -> tuple[list[int], dict | None]:
+    prompt = example[0]
+    return (list(prompt[0]), prompt[1]) if isinstance(prompt, tuple) else (list(prompt), None)
 
 
 def as_batch(examples: Sequence[Example]) -> TrainBatch:
     """Demonstrations as the trainer's batch: each completion is a response, its mask (all 1s by default) the
     tokens trained; no rewards, no engine logprobs."""
+    prompts = [_prompt(e) for e in examples]
     return TrainBatch(
-        input_ids=[list(e[0]) + list(e[1]) for e in examples],
-        response_start=[len(e[0]) for e in examples],
+        input_ids=[ids + list(e[1]) for (ids, _), e in zip(prompts, examples, strict=True)],
+        response_start=[len(ids) for ids, _ in prompts],
         rollout_logprobs=[[0.0] * len(e[1]) for e in examples],
         loss_mask=[list(e[2]) if len(e) == 3 else [1] * len(e[1]) for e in examples],
         rewards=[0.0] * len(examples),
         group_index=list(range(len(examples))),
+        multimodal=[mm for _, mm in prompts] if any(mm for _, mm in prompts) else None,
     )
 
 
@@ -58,7 +68,7 @@ def supervised_finetune(
     check_every: int = 20,
 ) -> float:
     """Train on completion tokens only (prompt tokens are context). An example is `(prompt, completion)` or
-    `(prompt, completion, mask)`, the mask one 0/1 per completion token (0: context, e.g. a tool's answer inside
+    `(prompt, completion, mask)` (a prompt with images: `((ids, multimodal), ...)`), the mask one 0/1 per completion token (0: context, e.g. a tool's answer inside
     a demonstrated episode). Returns the last loss. With `done`, stop early once it returns True (asked every
     `check_every` steps, and before the first)."""
     for index, example in enumerate(examples):

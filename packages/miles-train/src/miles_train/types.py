@@ -29,6 +29,9 @@ class TrainBatch:
     # prompt and response less the last token (a mixture of experts: SGLang's `return_routed_experts`), or None for a
     # row the engine gave none for (train.routing_replay then lets the trainer's router choose)
     routed_experts: list[Any] | None = None
+    # per row: a prompt with images, what the engine was given for them (the processor's tensors and
+    # `mm_token_type_ids`, one per prompt id), or None for a text row; None when no row has images
+    multimodal: list[dict[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -75,4 +78,5 @@ class TrainBatch:
             staleness=None if self.staleness is None else [self.staleness[i] for i in rows],
             token_staleness=None if self.token_staleness is None else [self.token_staleness[i] for i in rows],
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in rows],
+            multimodal=None if self.multimodal is None else [self.multimodal[i] for i in rows],
         )

@@ -274,7 +274,8 @@ def _step_detail(job, step: int) -> None:
 
 def _samples(samples: list[dict], key: str) -> None:
     """A step's samples: a table filtered by reward (length in tokens, reward, status, text), then one sample's
-    per-token logprobs as a heat strip and a multi-turn episode's turns."""
+    images (a vision-language model's prompt) beside its text, its per-token logprobs as a heat strip and a
+    multi-turn episode's turns."""
     if not samples:
         st.info("No samples stored for this step.")
         return
@@ -295,6 +296,10 @@ def _samples(samples: list[dict], key: str) -> None:
         key=f"sample-{key}",
     )
     sample = shown[index]
+    if sample.get("images"):  # a vision-language model's prompt: its images beside the text
+        left, right = st.columns([1, 2])
+        left.image(sample["images"], caption=[f"image {i + 1}" for i in range(len(sample["images"]))])
+        right.markdown(f"**prompt**: {sample['prompt']}\n\n**response**: {sample['response']}")
     if sample.get("logprobs"):
         st.altair_chart(logprob_strip(sample["logprobs"]), width="stretch")
         st.caption("The engine's logprob of each response token (darker: less likely); hover for the values.")

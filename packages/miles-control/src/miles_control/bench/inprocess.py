@@ -41,7 +41,7 @@ def run_steps(
     model_dir: Path,
     engine_dtype: str,
     train: dict[str, Any],
-    prompts: list[list[int]],
+    prompts: list,
     num_steps: int = 2,
     samples_per_prompt: int = 4,
     temperature: float = 0.8,
@@ -52,7 +52,8 @@ def run_steps(
     which must hold the checkpoint's weights. One dict per step: the trainer's metrics, whether the engine's
     weights matched the push, what was sent, and timings. The reward is a fixed function of the response's
     token ids (groups get different rewards, so advantages are not zero). With `train.lora`, `lora_push` is
-    sync.lora (an `adapter` push needs an engine built with the adapter's config)."""
+    sync.lora (an `adapter` push needs an engine built with the adapter's config). A prompt is its ids, or (ids,
+    multimodal inputs) for a prompt with images (`PromptEncoder.inputs`)."""
     from miles_rollout import GenerateRequest, SamplingParams
     from miles_rollout.push import land
     from miles_sync import TensorSync, build_sender
@@ -68,9 +69,10 @@ def run_steps(
     steps = []
     try:
         for step in range(1, num_steps + 1):
+            pairs = [p if isinstance(p, tuple) else (p, None) for p in prompts]
             requests = [
-                GenerateRequest(p, sampling, request_id=f"{g}-{k}")
-                for g, p in enumerate(prompts)
+                GenerateRequest(ids, sampling, request_id=f"{g}-{k}", multimodal=multimodal)
+                for g, (ids, multimodal) in enumerate(pairs)
                 for k in range(samples_per_prompt)
             ]
             started = time.time()
@@ -87,6 +89,7 @@ def run_steps(
                 routed_experts=[out.routed_experts for out in results]
                 if results[0].routed_experts is not None
                 else None,
+                multimodal=[r.multimodal for r in requests] if any(r.multimodal for r in requests) else None,
             )
             metrics = backend.train_step(batch)
             trained = time.time()

@@ -32,6 +32,7 @@ def to_train_batch(batch: RolloutBatch, staleness: list[int] | None = None) -> T
         routed_experts=[s.routed_experts for s in samples]
         if any(s.routed_experts is not None for s in samples)
         else None,
+        multimodal=[s.multimodal for s in samples] if any(s.multimodal for s in samples) else None,
     )
 
 

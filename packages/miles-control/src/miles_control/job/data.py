@@ -31,10 +31,10 @@ def load_job_prompts(config: DataConfig, environment: Any = None) -> tuple[list[
         raise PromptDataError(f"data.path: required when data.source is {config.source!r}")
     if config.source == "hf":
         return load_hf_prompts(config)
-    train = load_prompts(config.path, config.prompt_key, config.label_key)
+    train = load_prompts(config.path, config.prompt_key, config.label_key, config.image_key)
     _check_messages(train, config.path, config.chat_template)
     if config.eval_path is not None:
-        held_out = load_prompts(config.eval_path, config.prompt_key, config.label_key)
+        held_out = load_prompts(config.eval_path, config.prompt_key, config.label_key, config.image_key)
         _check_messages(held_out, config.eval_path, config.chat_template)
         return train, held_out
     if len(train) <= config.num_eval:
@@ -53,6 +53,12 @@ def _check_messages(records: list[PromptRecord], path: str, chat_template: str) 
             raise PromptDataError(
                 f"{path}: prompt {number} is a list of messages; set data.chat_template (model, or a Jinja file) "
                 "to render conversations"
+            )
+        number = next((i for i, r in enumerate(records, start=1) if r.images), None)
+        if number is not None:
+            raise PromptDataError(
+                f"{path}: prompt {number} has images; set data.chat_template (model, or a Jinja file): the template "
+                "writes where each image goes"
             )
 
 
@@ -194,4 +200,4 @@ def _apply_map(part: Any, path: str) -> Any:
 
 def _records(part: Any, source: str, config: DataConfig) -> list[PromptRecord]:
     rows = ((f"row {i}", row) for i, row in enumerate(part, start=1))
-    return records_from_rows(rows, source, config.prompt_key, config.label_key)
+    return records_from_rows(rows, source, config.prompt_key, config.label_key, config.image_key)

@@ -21,6 +21,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from miles_control.job.vision_check import check_vision
 from miles_control.spec.config import JobSpec
 
 
@@ -116,15 +117,16 @@ def check_job(spec: JobSpec, model_path: Path, prompts: Sequence = ()) -> None:
         build_objective(spec.train.algorithm)
     except ValueError as exc:
         raise JobCheckError(f"train.algorithm: {exc}") from None
+    check_vision(spec, hf_config, model_path, prompts)
     if spec.data.chat_template != "none" and prompts:
-        from transformers import AutoTokenizer
+        from miles_rollout.prompts import load_encoder
 
-        from miles_rollout.prompts import PromptEncoder
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        encoder = PromptEncoder(tokenizer, spec.data.chat_template, spec.data.system_prompt)
+        encoder = load_encoder(model_path, spec.data.chat_template, spec.data.system_prompt)
         for record in prompts:  # every prompt renders (a template may refuse some conversations): ~0.1 ms each
             encoder.text(record)
+        first = next((r for r in prompts if r.images), None)
+        if first is not None:  # the processor takes the images (a few ms): one prompt shows it can
+            encoder.inputs(first)
 
 
 def check_episodes(spec: JobSpec, hf_config) -> None:

@@ -98,6 +98,7 @@ class Recorder:
                         num_tokens=len(s.response_ids),
                         logprobs=[round(float(x), 3) for x in s.rollout_logprobs[:LOGPROBS_KEPT]] or None,
                         turns=_turns(s),
+                        images=_thumbnails(s),
                     )
                     for s in chosen
                 ],
@@ -116,6 +117,29 @@ def _response(sample: Any) -> str:
     lines = [f"[{m.get('role')}] {m.get('content')}" for m in episode.get("messages", [])]
     ended = f"[end] {episode.get('end_reason')}" + (f": {episode['error']}" if episode.get("error") else "")
     return "\n".join([*lines, ended])
+
+
+THUMBNAIL_PX = 256  # a stored image's longest side: enough to read a chart or a screenshot's layout, small in SQL
+
+
+def _thumbnails(sample: Any) -> list[str] | None:
+    """The prompt's images as PNG data URIs at most THUMBNAIL_PX a side (None for a text sample)."""
+    images = getattr(sample, "images", None)
+    if not images:
+        return None
+    import base64
+    import io
+
+    from miles_rollout.images import open_image
+
+    out = []
+    for index, data in enumerate(images):
+        image = open_image(data, f"sample image {index}")
+        image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        out.append("data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode())
+    return out
 
 
 def _turns(sample: Any) -> list[dict[str, str]] | None:

@@ -196,13 +196,15 @@ def save_tiny_model(
     with `tokenizer` when given. Written once: a folder that already holds a model is returned as it is, and a new
     one appears whole or not at all (written next to it, then renamed; an empty folder gives way)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
+
+    from miles_sync.vision import model_class_name
 
     folder = Path(folder)
     if (folder / "config.json").exists():
         return folder
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model = getattr(transformers, model_class_name(config)).from_config(config).to(getattr(torch, dtype))
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
@@ -212,3 +214,110 @@ def save_tiny_model(
         folder.rmdir()
     partial.rename(folder)
     return folder
+
+
+# Vision-language families: (config class, processor class, the text model's fields, the vision tower's). The tower
+# is two blocks of width 32 whose output is the text model's width; images are cut into patches of `patch_size`
+# pixels and every 2 × 2 patches make one placeholder id, so a 56 × 56 image is 4 ids (Qwen2.5-VL's 14-pixel patches).
+VISION_FAMILIES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    # Qwen2.5-VL: a windowed-attention ViT (full attention in the blocks of `fullatt_block_indexes`), 3-D RoPE in the
+    # text model (`mrope_section`: the rotary dims given to time, height and width)
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLProcessor",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 1, 1]}},
+        {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 4,
+            "patch_size": 14,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },  # fmt: skip
+    ),
+    # Qwen3-VL: a ViT with learned position embeddings whose intermediate layers also feed the text model's first
+    # layers (`deepstack_visual_indexes`), per-head q/k RMSNorm and interleaved 3-D RoPE in the text model
+    "qwen3_vl": (
+        "Qwen3VLConfig",
+        "Qwen3VLProcessor",
+        {
+            "head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+        },  # fmt: skip
+        {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 4,
+            "patch_size": 14,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0],
+        },  # fmt: skip
+    ),
+}
+# what the tiny vision-language models read and write: digits, operators, lower-case words
+VISION_ALPHABET = "0123456789+-*=? abcdefghijklmnopqrstuvwxyz"
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")
+# Qwen's chat layout, images as `<|vision_start|><|image_pad|><|vision_end|>` (the processor repeats the pad)
+VISION_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_vision_processor(family: str) -> Any:
+    """The processor of a tiny vision-language model of `family`: a character tokenizer with Qwen's vision and turn
+    tokens, the chat template above, and the family's image processor for images of 28² to 56² pixels."""
+    import transformers
+
+    from miles_rollout.tasks.arithmetic import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(VISION_ALPHABET)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VISION_TEMPLATE
+    patch = VISION_FAMILIES[family][3]["patch_size"]
+    sizes = {"size": {"shortest_edge": (2 * patch) ** 2, "longest_edge": (4 * patch) ** 2}}
+    images = transformers.Qwen2VLImageProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2, **sizes)
+    videos = transformers.Qwen2VLVideoProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2, **sizes)
+    processor_class = getattr(transformers, VISION_FAMILIES[family][1])
+    return processor_class(
+        image_processor=images, tokenizer=tokenizer, video_processor=videos, chat_template=VISION_TEMPLATE
+    )
+
+
+def tiny_vision_model(family: str, processor: Any) -> PretrainedConfig:
+    """The config of a tiny vision-language model of `family` (a key of VISION_FAMILIES) over `processor`'s
+    tokenizer: the text model at TINY's widths, a two-block vision tower, untied head."""
+    import transformers
+
+    if family not in VISION_FAMILIES:
+        raise ValueError(f"unknown vision-language family {family!r}; choose one of {', '.join(VISION_FAMILIES)}")
+    class_name, _, text_fields, vision_fields = VISION_FAMILIES[family]
+    tokenizer = processor.tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}  # fmt: skip
+    special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
+    text = {**TINY, "vocab_size": len(tokenizer), "tie_word_embeddings": False, **special}
+    text |= copy.deepcopy(text_fields)
+    vision = {"out_hidden_size": TINY["hidden_size"], "spatial_merge_size": 2, "temporal_patch_size": 2}
+    vision |= copy.deepcopy(vision_fields)
+    return getattr(transformers, class_name)(
+        text_config=text, vision_config=vision, tie_word_embeddings=False, **ids, **special
+    )
+
+
+def save_tiny_vision_model(folder: str | Path, family: str, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """A tiny random vision-language model of `family` with its processor (tokenizer, chat template, image
+    processor) as an HF folder in `dtype`, written once (see `save_tiny_model`)."""
+    processor = tiny_vision_processor(family)
+    # the processor saves like a tokenizer (its tokenizer, template and image processor, in the same folder)
+    return save_tiny_model(folder, tiny_vision_model(family, processor), tokenizer=processor, seed=seed, dtype=dtype)

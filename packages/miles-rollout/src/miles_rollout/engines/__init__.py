@@ -13,7 +13,17 @@ def check_model(config: HFEngineConfig | SGLangEngineConfig, hf_config: Any) -> 
     """Raise ValueError naming the config.json field of `hf_config` the engine cannot serve as configured. The
     hf engine runs whatever transformers builds; SGLang serves what its own model classes hold (its weight check
     derives the layout from the servers for families outside its table: engines/sglang/derived_layout.py)."""
+    from miles_sync.vision import family_refusal, is_vision_language
+
     model_type = getattr(hf_config, "model_type", None)
+    refused = family_refusal(hf_config)
+    if refused:
+        raise ValueError(f"config.json {refused}")
+    if config.type == "sglang" and is_vision_language(hf_config):
+        raise ValueError(
+            f"sglang engine: config.json model_type: {model_type!r} is a vision-language model, and Miles does not "
+            "send images to SGLang yet (its requests carry ids only); set rollout.engine.type: hf"
+        )
     if config.type == "sglang" and model_type in SGLANG_CPU_REFUSED and not _cuda():
         raise ValueError(
             f"sglang engine: config.json model_type: {model_type!r}: {SGLANG_CPU_REFUSED[model_type]}; use "

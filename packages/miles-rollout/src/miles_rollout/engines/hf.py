@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+import transformers
+from transformers import DynamicCache
 
 from miles_rollout.config import HFEngineConfig, PauseMode
 from miles_rollout.engines.checkpoint import engine_dtype
@@ -27,6 +28,7 @@ from miles_rollout.types import FinishReason, GenerateRequest, GenerateResult, S
 from miles_sync import WeightHandle, is_lora, lora_wire_name, receive
 from miles_sync.naming import checkpoint_views
 from miles_sync.protocol import Buckets
+from miles_sync.vision import batch_inputs, model_class_name, suppress_placeholders
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,11 @@ class HFEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.dtype = engine_dtype(config.dtype, model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, self.dtype))
+        hf_config = transformers.AutoConfig.from_pretrained(str(model_path))
+        self.model = getattr(transformers, model_class_name(hf_config)).from_pretrained(
+            str(model_path), dtype=getattr(torch, self.dtype)
+        )
+        suppress_placeholders(self.model)  # a vision-language model's image placeholders are never sampled
         self.lora = lora
         self._views: dict[str, torch.Tensor] | None = None  # the checkpoint's tensors in the parameters (no adapter)
         if lora is not None:
@@ -76,11 +82,12 @@ class HFEngine:
             self.model = get_peft_model(self.model, LoraConfig(**lora))
         self.model.eval()
         self.model.requires_grad_(False)
+        text_config = self.model.config.get_text_config()  # a vision-language model's ids are its text model's
         eos = self.model.generation_config.eos_token_id
         if eos is None:
-            eos = self.model.config.eos_token_id
+            eos = getattr(text_config, "eos_token_id", None)
         self.eos_token_ids = {eos} if isinstance(eos, int) else set(eos or [])
-        pad = self.model.config.pad_token_id
+        pad = getattr(text_config, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else 0
         self._generator = torch.Generator().manual_seed(seed)
         self._wire_dtype: str | None = None  # of the last push: the dtype the weight check compares in
@@ -180,16 +187,21 @@ class HFEngine:
 
         cache = DynamicCache()
         routing = _Routing(self._routers, batch) if self._routers else None
+        vision = batch_inputs([r.multimodal for r in requests], [width - n for n in lengths], width)
         with self._weights_lock, _recording(routing):
             version = self._versions.version  # of the weights these logits come from
             logits = self.model(
                 input_ids=input_ids,
                 attention_mask=attention,
-                position_ids=positions,
+                # with images the model works out its own 3-D positions, and keeps each row's offset from the text
+                # positions (`rope_deltas`) for the tokens that follow
+                position_ids=None if vision else positions,
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **vision,
             ).logits[:, -1]
+            deltas = self.model.base_model.rope_deltas if vision else None
         for step in range(sampling.max_new_tokens):
             tokens, logprobs = sample_next_token(logits, sampling, self._generator)
             token_list, logprob_list = tokens.tolist(), logprobs.tolist()  # one copy each, not one per row
@@ -223,7 +235,7 @@ class HFEngine:
                 logits = self.model(
                     input_ids=tokens[:, None],
                     attention_mask=attention,
-                    position_ids=positions,
+                    position_ids=positions if deltas is None else (positions + deltas)[None].expand(3, -1, -1),
                     past_key_values=cache,
                     use_cache=True,
                 ).logits[:, -1]

@@ -11,7 +11,16 @@ from miles_train.protocol import Backend, TrainerBackend
 
 def check_model(config: BackendConfig, hf_config: Any) -> None:
     """Raise ValueError naming the config.json field of `hf_config` the backend cannot train (before any rank
-    starts). fsdp2 trains the transformers model itself, so it takes any causal LM transformers builds."""
+    starts). fsdp2 trains the transformers model itself, so it takes any causal LM transformers builds, and the
+    vision-language families of `miles_sync.vision` with their tower; megatron and torchtitan rebuild text models
+    only."""
+    from miles_sync.vision import is_vision_language
+
+    if config.type != "fsdp2" and is_vision_language(hf_config):
+        raise ValueError(
+            f"train.backend.type: {config.type} rebuilds text models only, and config.json model_type "
+            f"{getattr(hf_config, 'model_type', '?')!r} is a vision-language model (a vision_config); use fsdp2"
+        )
     if config.type == "megatron":
         from miles_train.backends.megatron.convert import check_supported
 

@@ -71,7 +71,7 @@ class Trainer:
         self.set_push_dtype(None)
         self.backend = make_backend(Rank(config, rank, world_size, self.device), model_path)
         self.name = self.backend.name
-        self.pad_token_id = self.backend.hf_config.pad_token_id or 0
+        self.pad_token_id = getattr(self.backend.hf_config.get_text_config(), "pad_token_id", None) or 0
         self.backend.model.train()
         self._init_side_models(model_path)
 
@@ -195,7 +195,9 @@ class Trainer:
         c = collate(batch, self.pad_token_id)
         if self.device.type != "cpu":
             for field_name, value in vars(c).items():
-                if value is not None:
+                if isinstance(value, dict):  # model_inputs
+                    setattr(c, field_name, {key: tensor.to(self.device) for key, tensor in value.items()})
+                elif value is not None:
                     setattr(c, field_name, value.to(self.device))
         return c
 

@@ -43,12 +43,12 @@ class RolloutWorker:
         self._usage = ProcessUsage()
         import ray
         import torch
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         from miles_control.spec.config import JobSpec
         from miles_rollout import RolloutManager, build_engine
         from miles_rollout.data import PromptStream
-        from miles_rollout.prompts import PromptEncoder
+        from miles_rollout.prompts import load_encoder
 
         job = JobSpec.model_validate(spec)
         self.config = job.rollout
@@ -66,8 +66,8 @@ class RolloutWorker:
         self.engine = build_engine(
             engine_config, Path(model_path), seed=job.seed, packed=packed, gpu_ids=engine_gpus, lora=lora
         )
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        encoder = PromptEncoder(tokenizer, job.data.chat_template, job.data.system_prompt)
+        encoder = load_encoder(model_path, job.data.chat_template, job.data.system_prompt)
+        tokenizer = encoder.tokenizer
         hf_config = AutoConfig.from_pretrained(model_path)
         vocab_size = getattr(hf_config, "vocab_size", None) or getattr(hf_config.get_text_config(), "vocab_size", None)
         self.manager = RolloutManager(self.engine, tokenizer, job.rollout, encoder, vocab_size=vocab_size)

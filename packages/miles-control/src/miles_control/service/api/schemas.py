@@ -202,6 +202,9 @@ class SamplePublic(_Out):
     num_tokens: int | None = Field(None, description="The response's length in tokens (None: stored before it was).")
     logprobs: list[float] | None = Field(None, description="The engine's logprob of each response token.")
     turns: list[dict[str, Any]] | None = Field(None, description="A multi-turn episode's messages, {role, content}.")
+    images: list[str] | None = Field(
+        None, description="The prompt's images (a vision-language model's), as PNG data URIs at most 256 px a side."
+    )
 
 
 class ScheduleChangePublic(_Out):

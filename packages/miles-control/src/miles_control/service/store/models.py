@@ -111,6 +111,7 @@ class GenerationSample(JobRecord, Base):
     num_tokens: Mapped[int | None]  # of the response
     logprobs: Mapped[list | None]  # the engine's, one per response token
     turns: Mapped[list | None]  # a multi-turn episode's messages {role, content}
+    images: Mapped[list | None]  # the prompt's images, as PNG data URIs at most 256 px a side
 
     __table_args__ = (Index("ix_samples_job_step", "job_id", "step"),)
 

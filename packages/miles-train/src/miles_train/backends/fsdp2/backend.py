@@ -63,7 +63,7 @@ class FSDP2Backend:
 
     # ---- the protocol -------------------------------------------------------------------------
     def logits(self, model: torch.nn.Module, c: Collated) -> torch.Tensor:
-        return model(input_ids=c.input_ids, attention_mask=c.attention_mask).logits
+        return model(input_ids=c.input_ids, attention_mask=c.attention_mask, **c.model_inputs).logits
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()

@@ -13,14 +13,20 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from miles_sync import without_tied_head
 from miles_sync.naming import checkpoint_views, unconverted
+from miles_sync.vision import model_class_name, suppress_placeholders
 from miles_train.backends.hf_io import with_tied_head
 
 
 def load_hf_model(model_path: str | Path, device: torch.device) -> torch.nn.Module:
-    """The transformers causal LM of an HF folder, fp32 master weights on `device`."""
-    from transformers import AutoModelForCausalLM
+    """The transformers model of an HF folder (a causal LM, or a vision-language model with its vision tower), fp32
+    master weights on `device`; a vision-language model's image placeholders are never predicted
+    (`miles_sync.vision.suppress_placeholders`, as in the engines)."""
+    import transformers
 
-    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(device)
+    config = transformers.AutoConfig.from_pretrained(str(model_path))
+    model = getattr(transformers, model_class_name(config)).from_pretrained(str(model_path), dtype=torch.float32)
+    suppress_placeholders(model)
+    return model.to(device)
 
 
 def checkpoint_layout(model: torch.nn.Module) -> Callable[[dict], dict]:

@@ -7,15 +7,23 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    # Llama/Qwen2/Mistral families keep their blocks at model.model.layers (inside a LoRA wrapper: its base model's).
+    """The blocks sharded one group each: the decoder layers (Llama/Qwen2/Mistral families keep them at
+    model.model.layers, inside a LoRA wrapper its base model's; a vision-language model at
+    model.model.language_model.layers) and a vision tower's blocks (model.model.visual.blocks)."""
     from miles_train.lora import base_model
 
     model = base_model(model)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"fsdp2: cannot find decoder layers on {type(model).__name__} (expected model.model.layers)")
-    return list(layers)
+        layers = getattr(getattr(inner, "language_model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"fsdp2: cannot find decoder layers on {type(model).__name__} (expected model.model.layers, or "
+            "model.model.language_model.layers)"
+        )
+    blocks = getattr(getattr(inner, "visual", None), "blocks", None) or []
+    return [*blocks, *layers]
 
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
