@@ -1,6 +1,7 @@
 """The multi-turn example tasks through `miles run` (issue 19). Feedback: episodes recorded turn by turn in the
 default run, the learning run (held-out episode score rises well above its start within a fixed budget) in the
-extended tier. Calculator (tool use): the model learns to call the tool, in the default run."""
+extended tier. Calculator (tool use): the model learns to call the tool, in the extended tier (tool calls in a whole
+job are in the default run through the verifiers ToolEnv job, tests/test_hubs.py)."""
 
 import os
 import subprocess
@@ -72,6 +73,7 @@ def test_feedback_task_learns(tmp_path):
     check_episodes(store)
 
 
+@pytest.mark.extended  # a learning run (73 s); tool calls in a whole job are the default tier's ToolEnv job (test_hubs.py)
 def test_the_calculator_task_learns_to_call_the_tool(tmp_path):
     """examples/episodes/calculator.yaml, 8 steps on the default engine (sglang where installed, as in CI): the
     warm-started model rarely calls the calculator on multiplications and cannot multiply; RL makes it call. Measured

@@ -106,3 +106,98 @@ def test_an_image_placeholder_is_never_sampled(vlm_dir):
     recomputed = _trainer_logprobs(vlm_dir, _train_batch(inputs, results), temperature=2.0)
     pairs = zip(recomputed, results, strict=True)
     assert max(abs(a - b) for row, r in pairs for a, b in zip(row, r.output_logprobs, strict=True)) < 1e-5
+
+
+def test_an_episode_keeps_an_image_observation_token_faithful(vlm_dir):
+    """A multi-turn episode whose environment answers with an image: the turn's ids hold the image's placeholders
+    (expanded by the processor), the engine's next turn and the trainer both read its pixels, and the trainer's
+    logprobs of every model turn are the engine's."""
+    from miles_rollout.config import HFEngineConfig, RolloutConfig
+    from miles_rollout.engine_client import EngineClient
+    from miles_rollout.engines.hf import HFEngine
+    from miles_rollout.generate import make_context, multi_turn
+    from miles_rollout.prompts import load_encoder
+    from miles_rollout.types import PromptRecord, SamplingParams
+
+    config = RolloutConfig.model_validate({
+        "engine": {"type": "hf"}, "generate": "multi_turn", "reward": "env",
+        "environment": "miles_rollout.tasks.counting:RecountEnvironment",
+    })  # fmt: skip
+    encoder = load_encoder(vlm_dir, "model")
+    context = make_context(config, encoder.tokenizer, encoder)
+    client = EngineClient(HFEngine(vlm_dir, HFEngineConfig(dtype="float32"), seed=0))
+    # a random model rarely ends a turn with its end token: a digit ends it here (what the environment reads)
+    digits = tuple(encoder.tokenizer.convert_tokens_to_ids(list("0123456789")))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=digits)
+    eos = encoder.tokenizer.eos_token_id
+    record = PromptRecord("how many squares?", "2", images=[_png("black")])
+
+    async def episodes():
+        samples = []
+        for index in range(8):
+            ctx = context.__class__(**{**vars(context), "group_index": index})
+            samples.append(await multi_turn(record, client, sampling, ctx))
+        return samples
+
+    samples = asyncio.run(episodes())
+    # an episode whose first answer ended with a stop token got the image observation and answered it
+    two = [s for s in samples if s.metadata["episode"]["num_turns"] == 2]
+    assert two, [s.metadata["episode"] for s in samples]
+    pad = encoder.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for sample in two:
+        assert sample.response_ids.count(pad) == 4  # the observation's 56-px image: 4 placeholders, not trained
+        assert all(m == 0 for i, m in zip(sample.response_ids, sample.loss_mask, strict=True) if i == pad)
+        assert sample.multimodal["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]  # the prompt's, then the turn's
+        kinds = sample.multimodal["mm_token_type_ids"]
+        ids = sample.prompt_ids + sample.response_ids
+        assert kinds == [int(i == pad) for i in ids]
+        assert "[image]and here?" in [m["content"] for m in sample.metadata["episode"]["messages"]]
+        first_end = next(i for i, t in enumerate(sample.response_ids) if t in digits or t == eos)
+        assert sample.loss_mask[: first_end + 1] == [1] * (first_end + 1)  # the first turn, trained
+        assert sample.loss_mask[first_end + 1] == 0  # then the environment's turn, with its image
+    batch = _train_batch([(s.prompt_ids, s.multimodal) for s in two], [_AsResult(s) for s in two])
+    recomputed = _trainer_logprobs(vlm_dir, batch)
+    for row, sample in zip(recomputed, two, strict=True):
+        trained = [(a, b) for a, b, m in zip(row, sample.rollout_logprobs, sample.loss_mask, strict=True) if m]
+        assert max(abs(a - b) for a, b in trained) < 1e-5
+
+
+class _AsResult:
+    """A sample's response as `_train_batch` reads an engine result (its ids and logprobs)."""
+
+    def __init__(self, sample):
+        self.output_ids, self.output_logprobs = sample.response_ids, sample.rollout_logprobs
+
+
+def test_an_observation_image_that_cannot_be_read_ends_its_episode_counted(vlm_dir):
+    """At run time a bad image cannot be refused before start: its episode ends as `bad_observation` (the metric
+    `rollout/end_bad_observation` counts it), naming the image; the step goes on."""
+    from miles_rollout.config import HFEngineConfig, RolloutConfig
+    from miles_rollout.engine_client import EngineClient
+    from miles_rollout.engines.hf import HFEngine
+    from miles_rollout.env import StepResult
+    from miles_rollout.generate import make_context, multi_turn
+    from miles_rollout.prompts import load_encoder
+    from miles_rollout.types import PromptRecord, SamplingParams
+
+    class BrokenScreenshot:
+        def reset(self, record):
+            return None
+
+        def step(self, action):
+            parts = [{"type": "image", "image": b"\x89PNG not an image"}, {"type": "text", "text": "now?"}]
+            return StepResult([{"role": "user", "content": parts}])
+
+    config = RolloutConfig.model_validate({"engine": {"type": "hf"}, "generate": "multi_turn", "reward": "env",
+                                           "environment": "miles_rollout.tasks.counting:RecountEnvironment"})  # fmt: skip
+    encoder = load_encoder(vlm_dir, "model")
+    ctx = make_context(config, encoder.tokenizer, encoder)
+    ctx.make_environment = BrokenScreenshot  # an environment of this test's own, in place of the configured one
+    client = EngineClient(HFEngine(vlm_dir, HFEngineConfig(dtype="float32"), seed=0))
+    digits = tuple(encoder.tokenizer.convert_tokens_to_ids(list("0123456789")))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=digits)
+    sample = asyncio.run(multi_turn(PromptRecord("how many?", "1", images=[_png("red")]), client, sampling, ctx))
+    episode = sample.metadata["episode"]
+    assert episode["end_reason"] == "bad_observation", episode
+    assert "an environment turn's image: not a readable image" in episode["error"]
+    assert sample.multimodal["image_grid_thw"].tolist() == [[1, 4, 4]]  # the prompt's image only

@@ -45,7 +45,9 @@ class Action:
 @dataclass
 class StepResult:
     """The environment's answer. `observation`: a text (a `tool` turn after a tool call, else a `user` turn) or a
-    list of {role, content} messages; None or "" with done=True ends the episode without a further turn.
+    list of {role, content} messages, whose content may be a list of parts for a vision-language model (`{"type":
+    "text", "text": ...}`, `{"type": "image", "image": <bytes of an image file | PIL image>}`: a screenshot);
+    None or "" with done=True ends the episode without a further turn.
     `reward` adds to the episode's (`metadata["episode"]["env_reward"]`, scored by the `env` reward)."""
 
     observation: str | list[dict[str, Any]] | None = None

@@ -41,6 +41,8 @@ class Segment:
     # model turns, a mixture of experts: the engine's routing of every id it read and generated but the last
     # ([positions, layers × top_k], GenerateResult.routed_experts), when it returned one
     routed_experts: Any = None
+    # environment turns with images: the processor's inputs for them (`PromptEncoder.turn_inputs`)
+    multimodal: dict[str, Any] | None = None
 
 
 @dataclass
@@ -53,6 +55,8 @@ class Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)  # the transcript, as text (for people and rewards)
     end_reason: str = ""
     error: str = ""  # what the environment raised, when end_reason is env_error / env_timeout / bad_observation
+    # a prompt with images: the processor's inputs for it (`PromptEncoder.inputs`)
+    prompt_multimodal: dict[str, Any] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +70,24 @@ class Episode:
     def ids(self) -> list[int]:
         """Everything the model reads next: the prompt, then every segment in order."""
         return self.prompt_ids + [i for s in self.segments for i in s.ids]
+
+    def multimodal(self) -> dict[str, Any] | None:
+        """The image inputs of everything the model reads next (None without images): the prompt's and every
+        environment turn's processor tensors in order, and `mm_token_type_ids` over `ids()` (0 on text ids)."""
+        parts = [self.prompt_multimodal] + [s.multimodal for s in self.segments]
+        if not any(parts):
+            return None
+        import torch
+
+        lengths = [len(self.prompt_ids)] + [len(s.ids) for s in self.segments]
+        out: dict[str, Any] = {"mm_token_type_ids": []}
+        tensors: dict[str, list] = {}
+        for part, length in zip(parts, lengths, strict=True):
+            out["mm_token_type_ids"] += list(part["mm_token_type_ids"]) if part else [0] * length
+            for key, value in (part or {}).items():
+                if key != "mm_token_type_ids":
+                    tensors.setdefault(key, []).append(value)
+        return out | {key: torch.cat(values) for key, values in tensors.items()}
 
     def add_model(
         self,
@@ -89,9 +111,12 @@ class Episode:
         self.segments.append(segment)
         self.messages.append({"role": "assistant", "content": text})
 
-    def add_env(self, ids: list[int], messages: list[dict[str, Any]]) -> None:
-        text = "".join(str(m.get("content", "")) for m in messages)
-        self.segments.append(Segment("env", list(ids), text, num_messages=len(messages)))
+    def add_env(self, ids: list[int], messages: list[dict[str, Any]], multimodal: dict[str, Any] | None = None) -> None:
+        """An environment turn: its ids (with images, `multimodal`: the processor's inputs for them) and its messages
+        (in the transcript with an image part as the text `[image]`)."""
+        messages = [{**m, "content": transcript_text(m.get("content", ""))} for m in messages]
+        text = "".join(m["content"] for m in messages)
+        self.segments.append(Segment("env", list(ids), text, num_messages=len(messages), multimodal=multimodal))
         self.messages.extend(messages)
 
     def end(self, reason: str, error: str = "") -> None:
@@ -169,7 +194,18 @@ class Episode:
             # the last model turn read every id before it: its routing covers the sample up to its own last id (an
             # environment turn after it was never read, and keeps the trainer's own routing)
             routed_experts=last_turn.routed_experts if last_turn is not None else None,
+            multimodal=self.multimodal(),
+            images=list(record.images),
         )
+
+
+def transcript_text(content: Any) -> str:
+    """A message's content as the transcript keeps it: a text, or a list of parts whose images are `[image]`."""
+    if not isinstance(content, list):
+        return str(content)
+    return "".join(
+        str(p.get("text", "")) if p.get("type") == "text" else "[image]" for p in content if isinstance(p, dict)
+    )
 
 
 def _ids_error(ids: Any, vocab_size: int | None) -> str:

@@ -26,7 +26,8 @@ from typing import Any
 from miles_rollout.config import RolloutConfig
 from miles_rollout.engine_client import EngineClient
 from miles_rollout.env import Action, StepResult, environment_factory, parse_tool_call
-from miles_rollout.episode import Episode
+from miles_rollout.episode import Episode, transcript_text
+from miles_rollout.images import ImageError
 from miles_rollout.plugin_check import resolve_named
 from miles_rollout.prompts import PromptEncoder
 from miles_rollout.types import FinishReason, PromptRecord, Sample, SampleStatus, SamplingParams, status_of
@@ -56,7 +57,9 @@ async def single_turn(record: PromptRecord, client: EngineClient, sampling: Samp
     """One completion of the prompt; the built-in default."""
     prompt_ids, multimodal = ctx.encoder.inputs(record)
     request_id = f"{ctx.group_index}-{ctx.sample_index}"
-    result = await client.generate(prompt_ids, sampling, request_id=request_id, multimodal=multimodal)
+    result = await client.generate(
+        prompt_ids, sampling, request_id=request_id, **({"multimodal": multimodal} if multimodal else {})
+    )
     return Sample(
         group_index=ctx.group_index,
         prompt=record.prompt,
@@ -72,6 +75,7 @@ async def single_turn(record: PromptRecord, client: EngineClient, sampling: Samp
         token_versions=result.versions_per_token(),
         routed_experts=result.routed_experts,
         multimodal=multimodal,
+        images=list(record.images),
     )
 
 
@@ -122,15 +126,26 @@ def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> 
         future.set_exception(error) if error is not None else future.set_result(value)
 
 
-def _as_messages(observation: Any, role: str) -> list[dict[str, Any]] | None:
-    """An observation as messages, or None when it is neither a text nor a list of {role, content} texts."""
+def _as_messages(observation: Any, role: str, parts: bool = False) -> list[dict[str, Any]] | None:
+    """An observation as messages, or None when it is neither a text nor a list of {role, content} messages whose
+    content is a text (or, with `parts`, a list of text and image parts: `{"type": "text", "text": ...}`,
+    `{"type": "image", "image": <bytes of an image file | PIL image>}`)."""
     if isinstance(observation, str):
         return [{"role": role, "content": observation}]
     if isinstance(observation, list) and observation:
-        ok = all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        ok = all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                 and (isinstance(m.get("content"), str) or (parts and _parts(m.get("content"))))
                  for m in observation)  # fmt: skip
         return [dict(m) for m in observation] if ok else None
     return None
+
+
+def _parts(content: Any) -> bool:
+    """A content given as a non-empty list of text and image parts."""
+    if not isinstance(content, list) or not content:
+        return False
+    return all(isinstance(p, dict) and ((p.get("type") == "text" and isinstance(p.get("text"), str))
+               or (p.get("type") == "image" and p.get("image") is not None)) for p in content)  # fmt: skip
 
 
 async def multi_turn(record: PromptRecord, client: EngineClient, sampling: SamplingParams, ctx: GenerateContext):
@@ -189,7 +204,8 @@ async def _episode_of(
         if messages is None:
             raise TypeError(f"{path}: reset() returned {first!r:.120}: expected None, a text or a list of messages")
         record = replace(record, prompt=messages[-1]["content"], messages=messages)
-    episode = Episode(ctx.encoder.encode(record, tools))
+    prompt_ids, prompt_multimodal = ctx.encoder.inputs(record, tools)
+    episode = Episode(prompt_ids, prompt_multimodal=prompt_multimodal)
     if episode.num_tokens >= limits.max_total_tokens:
         error = (
             f"the prompt is {episode.num_tokens} tokens, rollout.multi_turn.max_total_tokens {limits.max_total_tokens}"
@@ -203,7 +219,13 @@ async def _episode_of(
             episode.end("max_tokens")
             break
         turn_sampling = sampling if sampling.max_new_tokens <= room else replace(sampling, max_new_tokens=room)
-        result = await client.generate(episode.ids(), turn_sampling, request_id=f"{request_id}-t{turn}")
+        images = episode.multimodal()
+        result = await client.generate(
+            episode.ids(),
+            turn_sampling,
+            request_id=f"{request_id}-t{turn}",
+            **({"multimodal": images} if images else {}),
+        )
         text = ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         episode.add_model(
             result.output_ids, result.output_logprobs, result.weight_versions, text, result.versions_per_token(),
@@ -233,20 +255,25 @@ async def _episode_of(
         if step.done and not step.observation:
             episode.end("done")
             break
-        messages = _as_messages(step.observation, "tool" if action.tool_call else "user")
+        messages = _as_messages(step.observation, "tool" if action.tool_call else "user", parts=True)
         if messages is None:
             episode.end("bad_observation", f"step() observation {step.observation!r:.200}")
             break
         if step.done:
-            episode.messages.extend(messages)  # the last word is the environment's: in the transcript, not trained
+            # the last word is the environment's: in the transcript (an image as `[image]`), not trained
+            episode.messages.extend({**m, "content": transcript_text(m["content"])} for m in messages)
             episode.end("done")
             break
         if turn == limits.max_turns - 1:
             episode.end("max_turns")
             break
         model_end = ctx.tokenizer.decode(result.output_ids[-1:]) if result.output_ids else ""
-        ids = ctx.encoder.turn_ids(messages, tools, model_end)
-        episode.add_env(ids, messages)
+        try:
+            ids, turn_multimodal = ctx.encoder.turn_inputs(messages, tools, model_end)
+        except ImageError as exc:  # an image the environment sent that cannot be read: this episode ends, counted
+            episode.end("bad_observation", str(exc)[:500])
+            break
+        episode.add_env(ids, messages, turn_multimodal)
         if episode.num_tokens >= limits.max_total_tokens:
             episode.drop_env()  # no room for the model to answer: neither trained on nor in the transcript
             episode.end("max_tokens")
@@ -257,7 +284,8 @@ async def _episode_of(
 
 
 def _no_turn(ctx: GenerateContext, record: PromptRecord, tools: Any, version: int, reason: str, error: str) -> Sample:
-    episode = Episode(ctx.encoder.encode(record, tools))
+    prompt_ids, prompt_multimodal = ctx.encoder.inputs(record, tools)
+    episode = Episode(prompt_ids, prompt_multimodal=prompt_multimodal)
     episode.end(reason, error)
     return episode.to_sample(record, ctx.group_index, version)
 

@@ -58,8 +58,12 @@ def _read(path: str, where: str, base: Path | None) -> bytes:
         raise PromptDataError(f"{where}: cannot read image {file}: {exc.strerror}") from None
 
 
+class ImageError(PromptDataError):
+    """An image that cannot be read; the message names where it came from."""
+
+
 def open_image(data: bytes, where: str) -> Any:
-    """The decoded image, in RGB (what processors expect); PromptDataError naming `where` when it cannot be read."""
+    """The decoded image, in RGB (what processors expect); ImageError naming `where` when it cannot be read."""
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover - the `vision` extra
@@ -69,4 +73,4 @@ def open_image(data: bytes, where: str) -> Any:
         image.load()
         return image.convert("RGB")
     except Exception as exc:  # Pillow raises several types for a file it cannot decode
-        raise PromptDataError(f"{where}: not a readable image ({type(exc).__name__}: {exc})") from None
+        raise ImageError(f"{where}: not a readable image ({type(exc).__name__}: {exc})") from None

@@ -141,6 +141,33 @@ class PromptEncoder:
             self._ids[text] = ids
         return list(ids)
 
+    def turn_inputs(
+        self, messages: list[dict], tools: list[dict] | None = None, model_end: str = ""
+    ) -> tuple[list[int], dict | None]:
+        """`turn_ids`, for environment turns that may hold images: a message's content is a text, or a list of parts
+        (`{"type": "text", "text": ...}`, `{"type": "image", "image": <bytes of an image file | PIL image>}`). The
+        processor renders the turn's text with each image's placeholder expanded and gives their pixel inputs (and
+        `mm_token_type_ids`, one per id of the turn); None for a turn without images."""
+        images = [part["image"] for m in messages if isinstance(m.get("content"), list) for part in m["content"]
+                  if isinstance(part, dict) and part.get("type") == "image"]  # fmt: skip
+        if not images:
+            return self.turn_ids(messages, tools, model_end), None
+        if self.processor is None or self.template is None:
+            raise PromptDataError(
+                "an environment turn with images needs a vision-language model's processor and data.chat_template"
+            )
+        text = self._turn_text(messages, tools, model_end)
+        from miles_rollout.images import open_image
+
+        decoded = [image if not isinstance(image, bytes) else open_image(image, "an environment turn's image")
+                   for image in images]  # fmt: skip
+        out = self.processor(
+            text=[text], images=decoded, return_tensors="pt", return_mm_token_type_ids=True, add_special_tokens=False
+        )
+        multimodal = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        multimodal["mm_token_type_ids"] = out["mm_token_type_ids"][0].tolist()
+        return out["input_ids"][0].tolist(), multimodal
+
     def turn_ids(self, messages: list[dict], tools: list[dict] | None = None, model_end: str = "") -> list[int]:
         """The ids of environment turns (`messages`: tool results, user feedback) that follow a model turn, up to
         where the model's next turn starts; tokenized once, here, and never again.
@@ -153,6 +180,10 @@ class PromptEncoder:
         and a newline: the newline is added here; a closing the model did not write is added whole)."""
         if self.template is None:
             return self.tokenizer.encode("".join(str(m["content"]) for m in messages), add_special_tokens=False)
+        return self.tokenizer.encode(self._turn_text(messages, tools, model_end), add_special_tokens=False)
+
+    def _turn_text(self, messages: list[dict], tools: list[dict] | None, model_end: str) -> str:
+        """What the template writes for environment turns after a model turn (see `turn_ids`)."""
         base = [{"role": "user", "content": _PLACEHOLDER}, {"role": "assistant", "content": _PLACEHOLDER}]
         try:
             after = self._render(base + messages, tools, generation_prompt=True)
@@ -168,7 +199,7 @@ class PromptEncoder:
         text = after[after.rindex(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         if model_end and text.startswith(model_end):
             text = text[len(model_end) :]
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text
 
 
 _KEEP_IDS = 4096  # prompt texts whose ids an encoder remembers (a step's prompts, many times over)

@@ -123,6 +123,8 @@ class Sample:
     # a prompt with images: what the engine was given for them (GenerateRequest.multimodal), which the trainer's
     # forward takes too; None for text
     multimodal: dict[str, Any] | None = None
+    # the prompt's images as the data gave them (PromptRecord.images), for people to look at (the dashboard)
+    images: list[bytes] = field(default_factory=list)
 
     @property
     def oldest_weight_version(self) -> int:

@@ -31,10 +31,15 @@ def check_vision(spec: Any, hf_config: Any, model_path: Path, prompts: Sequence)
             f"train.lora: adapters are not carried for vision-language models yet (model_type "
             f"{hf_config.model_type!r}); train the whole model, or freeze the tower with train.freeze"
         )
-    if number is not None and spec.rollout.generate != "single_turn":
+    if number is not None and spec.rollout.generate not in ("single_turn", "multi_turn"):
         raise JobCheckError(
-            f"rollout.generate: {spec.rollout.generate} episodes do not carry images yet, and prompt {number} has "
-            "some; use single_turn"
+            f"rollout.generate: {spec.rollout.generate} does not carry images, and prompt {number} has some; use "
+            "single_turn or multi_turn"
+        )
+    if number is not None and getattr(spec.rollout.environment, "type", None) is not None:
+        raise JobCheckError(
+            f"rollout.environment: a {spec.rollout.environment.type} environment's episodes do not carry images yet, "
+            f"and prompt {number} has some"
         )
     if spec.train.critic is not None:
         raise JobCheckError("train.critic: a value model over a vision-language model is not built yet")

@@ -32,6 +32,10 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "added_tokens.json",
+    # a vision-language model's processor (image and video processors, the processor's own settings)
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 
 

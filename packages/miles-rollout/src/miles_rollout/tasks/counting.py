@@ -65,3 +65,31 @@ def write_parquet(rows: list[tuple[bytes, str]], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     datasets.Dataset.from_dict(data, features=features).to_parquet(str(path))
     return path
+
+
+class RecountEnvironment:
+    """An episode with an image observation (a screenshot-like answer): the prompt's image is counted, then the
+    environment shows another image and asks again; the episode's reward is the share of right counts. For
+    `rollout.generate: multi_turn` with a vision-language model (`rollout.environment:
+    miles_rollout.tasks.counting:RecountEnvironment`, `rollout.reward: env`)."""
+
+    def __init__(self, seed: int = 0, max_count: int = 4) -> None:
+        self.rng = random.Random(seed)
+        self.max_count = max_count
+        self.answers: list[str] = []
+
+    def reset(self, record) -> None:
+        self.answers = [record.label]
+        return None  # the prompt record (its text and image) opens the episode
+
+    def step(self, action):
+        from miles_rollout.env import StepResult
+
+        right = float(action.text.strip() == self.answers[-1])
+        if len(self.answers) == 2:
+            return StepResult(None, reward=right / 2, done=True)
+        count = self.rng.randint(1, self.max_count)
+        self.answers.append(str(count))
+        image = counting_image(count, self.rng)
+        content = [{"type": "image", "image": image}, {"type": "text", "text": "and here?"}]
+        return StepResult([{"role": "user", "content": content}], reward=right / 2)
