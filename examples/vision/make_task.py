@@ -80,9 +80,13 @@ def main() -> None:
     write_parquet(counting_rows(args.num_train, seed=0), args.out / "data" / "train.parquet")
     write_jsonl(counting_rows(args.num_eval, seed=1), args.out / "data" / "eval.jsonl")
     model = args.out / "tiny-vlm"
-    fresh = not (model / "config.json").exists()
+    if (model / "config.json").exists():
+        family = json.loads((model / "config.json").read_text()).get("model_type")
+        if family != args.family:
+            raise SystemExit(f"{model} holds a {family} model, not {args.family}: remove it first")
     save_tiny_vision_model(model, args.family, seed=args.seed)
-    if fresh and args.warm_start_target > 0:
+    # warm-started once: a model whose warm start was interrupted (no warm_start.json) is warm-started again
+    if args.warm_start_target > 0 and not (model / "warm_start.json").exists():
         info = warm_start(model, args.warm_start_target, args.seed)
         print(f"warm start: {info['warm_start_steps']} steps, held-out accuracy {info['warm_start_accuracy']:.2f}")
     print(f"data in {args.out / 'data'}, model in {model}")

@@ -24,7 +24,7 @@ def test_a_jsonl_file_gives_image_paths_relative_to_itself_and_a_parquet_file_an
     rows = counting_rows(5, seed=3)
     jsonl = write_jsonl(rows, tmp_path / "sub" / "train.jsonl")
     parquet = write_parquet(rows, tmp_path / "train.parquet")
-    from_jsonl, from_parquet = load_prompts(jsonl), load_prompts(parquet)
+    from_jsonl, from_parquet = load_prompts(jsonl, image_key="images"), load_prompts(parquet, image_key="images")
     for records in (from_jsonl, from_parquet):
         assert [r.label for r in records] == [label for _, label in rows]
         assert [r.images for r in records] == [[image] for image, _ in rows]  # the files' bytes, unchanged
@@ -37,7 +37,7 @@ def test_a_prompt_may_have_several_images_or_none(tmp_path):
     lines = [{"prompt": "two", "label": "2", "images": ["a.png", "b.png"]}, {"prompt": "one", "label": "1",
              "images": "a.png"}, {"prompt": "text only", "label": "0"}]  # fmt: skip
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
-    records = load_prompts(tmp_path / "p.jsonl")
+    records = load_prompts(tmp_path / "p.jsonl", image_key="images")
     assert [len(r.images) for r in records] == [2, 1, 0]
     assert records[0].images == [_png("red"), _png("blue")]
 
@@ -48,7 +48,7 @@ def test_rows_from_the_datasets_library_give_decoded_images(tmp_path):
     rows = counting_rows(3, seed=0)
     parquet = write_parquet(rows, tmp_path / "t.parquet")
     part = datasets.load_dataset("parquet", data_files={"train": str(parquet)})["train"]  # Image cells: PIL images
-    records = records_from_rows(((f"row {i}", row) for i, row in enumerate(part, 1)), "hf")
+    records = records_from_rows(((f"row {i}", row) for i, row in enumerate(part, 1)), "hf", image_key="images")
     from PIL import Image
 
     for record, (image, _) in zip(records, rows, strict=True):
@@ -70,8 +70,15 @@ def test_an_image_that_cannot_be_read_is_named_by_row_and_column(tmp_path, cell,
     lines = [{"prompt": "a", "label": "1", "images": "ok.png"}, {"prompt": "b", "label": "1", "images": cell}]
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
     with pytest.raises(PromptDataError, match="images") as info:
-        load_prompts(tmp_path / "p.jsonl")
+        load_prompts(tmp_path / "p.jsonl", image_key="images")
     assert said in str(info.value)
+
+
+def test_without_an_image_key_a_column_named_images_is_metadata(tmp_path):
+    """A text dataset may have a column called `images` (URLs, captions): it stays the reward's metadata."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a", "label": "1", "images": ["https://x/y.png"]}))
+    record = load_prompts(tmp_path / "p.jsonl")[0]
+    assert record.images == [] and record.metadata == {"images": ["https://x/y.png"]}
 
 
 def test_another_image_column_is_named_by_image_key(tmp_path):

@@ -285,11 +285,12 @@ class DataConfig(_Strict):
     )
     prompt_key: str = Field("prompt", description="Key of the prompt: a text, or a list of {role, content} messages.")
     label_key: str = "label"
-    image_key: str = Field(
-        "images",
-        description="Key of a prompt's images, for a vision-language model (a row without it has none): a path "
-        "(relative to the data file), the bytes of an image file or a datasets Image, one or a list per prompt. "
-        "They open the first user turn, rendered by the model's processor (data.chat_template: model or a file).",
+    image_key: str | None = Field(
+        None,
+        description="Key of a prompt's images, for a vision-language model (e.g. `images`; None: the data has none, "
+        "and every column is metadata): a path (relative to the data file), the bytes of an image file or a "
+        "datasets Image, one or a list per prompt; a row without the key has none. They open the first user turn, "
+        "rendered by the model's processor (data.chat_template: model or a file).",
     )
     chat_template: str = Field(
         "none",

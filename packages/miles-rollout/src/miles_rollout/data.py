@@ -15,10 +15,10 @@ class PromptDataError(ValueError):
 
 
 def load_prompts(
-    path: str | Path, prompt_key: str = "prompt", label_key: str = "label", image_key: str = "images"
+    path: str | Path, prompt_key: str = "prompt", label_key: str = "label", image_key: str | None = None
 ) -> list[PromptRecord]:
-    """The prompts of a JSONL or Parquet file; a row's `image_key` column (if any) holds its images, paths
-    relative to the file."""
+    """The prompts of a JSONL or Parquet file; with `image_key`, a row's column of that name (if it has one) holds
+    its images, paths relative to the file."""
     path = Path(path)
     if not path.exists():
         raise PromptDataError(f"{path}: no such prompt file")
@@ -36,11 +36,11 @@ def records_from_rows(
     source: str,
     prompt_key: str = "prompt",
     label_key: str = "label",
-    image_key: str = "images",
+    image_key: str | None = None,
     base: Path | None = None,
 ) -> list[PromptRecord]:
     """Prompt records from `(where, row)` pairs: `row[prompt_key]` is a text or a list of {role, content} messages,
-    `row[label_key]` the label, `row[image_key]` (when present) its images (`miles_rollout.images`: paths relative
+    `row[label_key]` the label, `row[image_key]` (with an `image_key`, when the row has it) its images (`miles_rollout.images`: paths relative
     to `base`, bytes, `datasets` Image cells; one or a list), the other columns the record's metadata. Errors name
     `source:where` and the key."""
     from miles_rollout.images import images_of
@@ -51,7 +51,7 @@ def records_from_rows(
         if missing:
             raise PromptDataError(f"{source}:{where}: missing key(s) {missing}; present: {sorted(row)}")
         extra = {k: v for k, v in row.items() if k not in (prompt_key, label_key, image_key)}
-        images = images_of(row.get(image_key), f"{source}:{where}: {image_key}", base)
+        images = images_of(row.get(image_key), f"{source}:{where}: {image_key}", base) if image_key else []
         prompt = row[prompt_key]
         if isinstance(prompt, list):
             messages = _messages(prompt, f"{source}:{where}: {prompt_key}")

@@ -270,8 +270,12 @@ async def _episode_of(
         model_end = ctx.tokenizer.decode(result.output_ids[-1:]) if result.output_ids else ""
         try:
             ids, turn_multimodal = ctx.encoder.turn_inputs(messages, tools, model_end)
-        except ImageError as exc:  # an image the environment sent that cannot be read: this episode ends, counted
-            episode.end("bad_observation", str(exc)[:500])
+        except Exception as exc:
+            # an image the environment sent that cannot be read or processed (a shape the processor refuses): this
+            # episode ends, counted; a text turn's failure (the chat template's) still fails the job
+            if not isinstance(exc, ImageError) and not any(isinstance(m["content"], list) for m in messages):
+                raise
+            episode.end("bad_observation", f"{type(exc).__name__}: {exc}"[:500])
             break
         episode.add_env(ids, messages, turn_multimodal)
         if episode.num_tokens >= limits.max_total_tokens:

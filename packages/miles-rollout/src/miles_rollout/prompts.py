@@ -112,7 +112,9 @@ class PromptEncoder:
             images = [
                 open_image(data, f"prompt {record.prompt[:60]!r}: image {i}") for i, data in enumerate(record.images)
             ]
-            out = self.processor(text=[text], images=images, return_tensors="pt", return_mm_token_type_ids=True)
+            out = self.processor(
+                text=[text], images=images, return_tensors="pt", return_mm_token_type_ids=True, add_special_tokens=False
+            )
             ids = out["input_ids"][0].tolist()
             multimodal = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
             multimodal["mm_token_type_ids"] = out["mm_token_type_ids"][0].tolist()
@@ -159,8 +161,8 @@ class PromptEncoder:
         text = self._turn_text(messages, tools, model_end)
         from miles_rollout.images import open_image
 
-        decoded = [image if not isinstance(image, bytes) else open_image(image, "an environment turn's image")
-                   for image in images]  # fmt: skip
+        decoded = [open_image(bytes(image), "an environment turn's image") if isinstance(image, (bytes, bytearray))
+                   else image for image in images]  # fmt: skip
         out = self.processor(
             text=[text], images=decoded, return_tensors="pt", return_mm_token_type_ids=True, add_special_tokens=False
         )
@@ -203,5 +205,5 @@ class PromptEncoder:
 
 
 _KEEP_IDS = 4096  # prompt texts whose ids an encoder remembers (a step's prompts, many times over)
-_KEEP_VISION = 256  # prompts with images whose inputs an encoder remembers (their pixels weigh more)
+_KEEP_VISION = 64  # prompts with images whose inputs an encoder remembers (a real image's pixels are megabytes)
 _PLACEHOLDER = "\u2063miles\u2063"  # invisible separators: text no template writes itself

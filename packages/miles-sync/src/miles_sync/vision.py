@@ -14,7 +14,8 @@ from typing import Any
 VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 # the config fields naming a model's image / video placeholder ids (Qwen's `<|image_pad|>`, `<|video_pad|>`)
 PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
-# the logit a placeholder gets: its probability is 0, and 0 × log p stays finite (an entropy), in bf16 too
+# the logit a placeholder gets (or the dtype's lowest, fp16's −65504): its probability is 0, and 0 × log p stays
+# finite (an entropy)
 _SUPPRESSED_LOGIT = -1e9
 
 
@@ -51,7 +52,8 @@ def suppress_placeholders(model: Any) -> list[int]:
     index = torch.tensor(ids, dtype=torch.long)
 
     def hook(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return output.index_fill(-1, index.to(output.device), _SUPPRESSED_LOGIT)
+        lowest = max(_SUPPRESSED_LOGIT, torch.finfo(output.dtype).min)
+        return output.index_fill(-1, index.to(output.device), lowest)
 
     head.register_forward_hook(hook)
     return ids

@@ -27,7 +27,8 @@ Example = tuple[Any, list[int]] | tuple[Any, list[int], list[int]]
 
 def _prompt(example: Example) -> tuple[list[int], dict | None]:
     prompt = example[0]
-    return (list(prompt[0]), prompt[1]) if isinstance(prompt, tuple) else (list(prompt), None)
+    with_images = isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], dict | None)
+    return (list(prompt[0]), prompt[1]) if with_images else (list(prompt), None)
 
 
 def as_batch(examples: Sequence[Example]) -> TrainBatch:

@@ -35,6 +35,8 @@ class TrainBatch:
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
+        if self.multimodal is not None and len(self.multimodal) != n:
+            raise ValueError(f"TrainBatch.multimodal has {len(self.multimodal)} rows, input_ids has {n}")
         if self.staleness is not None and len(self.staleness) != n:
             raise ValueError(f"TrainBatch.staleness has {len(self.staleness)} rows, input_ids has {n}")
         for field_name in ("response_start", "rollout_logprobs", "loss_mask", "rewards", "group_index"):

@@ -69,7 +69,9 @@ def run_steps(
     steps = []
     try:
         for step in range(1, num_steps + 1):
-            pairs = [p if isinstance(p, tuple) else (p, None) for p in prompts]
+            pairs = [
+                p if isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], dict) else (p, None) for p in prompts
+            ]
             requests = [
                 GenerateRequest(ids, sampling, request_id=f"{g}-{k}", multimodal=multimodal)
                 for g, (ids, multimodal) in enumerate(pairs)

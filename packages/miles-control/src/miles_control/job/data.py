@@ -175,9 +175,9 @@ def _split(splits: Any, name: str, field: str, config: DataConfig) -> Any:
     if len(part) == 0:
         raise PromptDataError(f"{field}: split {name!r} of {config.path} is empty")
     columns = set(part.column_names)
-    for key_field in ("prompt_key", "label_key"):
+    for key_field in ("prompt_key", "label_key", "image_key"):
         key = getattr(config, key_field)
-        if key not in columns:
+        if key is not None and key not in columns:
             raise PromptDataError(
                 f"data.{key_field}: no column {key!r} in split {name!r} of {config.path} (its columns: "
                 f"{', '.join(sorted(columns))})"

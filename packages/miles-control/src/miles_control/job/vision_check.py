@@ -4,6 +4,7 @@ images yet refuse them, naming the field to change."""
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,16 @@ def check_vision(spec: Any, hf_config: Any, model_path: Path, prompts: Sequence)
         raise JobCheckError(
             f"rollout.environment: a {spec.rollout.environment.type} environment's episodes do not carry images yet, "
             f"and prompt {number} has some"
+        )
+    ranks = spec.train.backend.world_size
+    text_rows = next((i for i, r in enumerate(prompts, start=1) if not r.images), None)
+    tower_frozen = any(fnmatch.fnmatchcase("model.visual.patch_embed.proj.weight", p) for p in spec.train.freeze)
+    if ranks > 1 and text_rows is not None and not tower_frozen:
+        # a rank whose rows have no image computes no gradient for the tower, and FSDP2 reduces the gradients of a
+        # group over the parameters that have one: the ranks would disagree
+        raise JobCheckError(
+            f"train.freeze: with {ranks} trainer ranks the vision tower trains only when every prompt has an image "
+            f"(prompt {text_rows} has none); freeze it (train.freeze: ['model.visual.*']) or use one rank"
         )
     if spec.train.critic is not None:
         raise JobCheckError("train.critic: a value model over a vision-language model is not built yet")

@@ -9,7 +9,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks sharded one group each: the decoder layers (Llama/Qwen2/Mistral families keep them at
     model.model.layers, inside a LoRA wrapper its base model's; a vision-language model at
-    model.model.language_model.layers) and a vision tower's blocks (model.model.visual.blocks)."""
+    model.model.language_model.layers). A vision tower stays in the root's group: it is gathered with the root at
+    every forward, on every rank, so a rank whose rows have no image (which does not run the tower) still takes
+    part in the same collectives as one whose rows do."""
     from miles_train.lora import base_model
 
     model = base_model(model)
@@ -22,8 +24,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             f"fsdp2: cannot find decoder layers on {type(model).__name__} (expected model.model.layers, or "
             "model.model.language_model.layers)"
         )
-    blocks = getattr(getattr(inner, "visual", None), "blocks", None) or []
-    return [*blocks, *layers]
+    return list(layers)
 
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
