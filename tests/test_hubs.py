@@ -105,8 +105,17 @@ def test_an_openenv_server_runs_episodes_of_a_job(tmp_path):
     store = run_example(tmp_path, "openenv", *SHORT)
     rewards = dict(store.metric_series(1, "rollout/reward_mean"))
     assert set(rewards) == {1, 2} and all(0.0 <= r <= 1.0 for r in rewards.values())
-    assert set(dict(store.metric_series(1, "rollout/end_done")).values()) == {1.0}  # every episode ended by the server
-    assert not store.metric_series(1, "rollout/end_env_error")  # 128 episodes at once, 64 sessions: they waited
+    # every episode ended by the server, but for one whose model turn ran out of tokens (6, at temperature 1: a CI
+    # run once had 1 of 128 at a step end `length`)
+    done = dict(store.metric_series(1, "rollout/end_done"))
+    assert set(done) == {1, 2} and all(v >= 0.95 for v in done.values()), done
+    for reason in (
+        "env_error",
+        "env_timeout",
+        "bad_observation",
+        "max_turns",
+    ):  # 128 episodes, 64 sessions: they waited
+        assert not store.metric_series(1, f"rollout/end_{reason}"), reason
     samples = store.samples(1)
     assert samples and all(s.response.startswith("[user] ") is False for s in samples)
     questions = {s.prompt for s in samples}
