@@ -99,7 +99,7 @@ def test_an_unreadable_image_is_refused_before_start_naming_its_row_and_column(t
     assert "starting Ray" not in result.stdout + result.stderr
 
 
-@pytest.mark.extended  # a learning run, about 6 minutes (the warm start 1.5, GRPO's 200 steps 4)
+@pytest.mark.extended  # a learning run, about 3 minutes here (the warm start 25 s, GRPO's 200 steps)
 def test_the_counting_task_learns_on_the_hf_engine(tmp_path):
     """examples/vision as shipped, shortened: a tiny Qwen2.5-VL warm-started to 0.4 greedy held-out accuracy, then
     GRPO with the vision tower frozen; the held-out accuracy rises well above its start (docs/results.md#vision:
