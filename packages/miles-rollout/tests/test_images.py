@@ -74,6 +74,22 @@ def test_an_image_that_cannot_be_read_is_named_by_row_and_column(tmp_path, cell,
     assert said in str(info.value)
 
 
+def test_an_image_path_stays_inside_the_data_files_folder(tmp_path):
+    """A data file names no image outside its own folder (`..` or an absolute path elsewhere): a job's data file is
+    confined (the API's data root), and its images reach the store."""
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(_png())
+    (tmp_path / "data").mkdir()
+    for cell in ("../secret.png", str(outside)):
+        (tmp_path / "data" / "p.jsonl").write_text(json.dumps({"prompt": "a", "label": "1", "images": cell}))
+        with pytest.raises(PromptDataError, match="lies outside the data file's folder"):
+            load_prompts(tmp_path / "data" / "p.jsonl", image_key="images")
+    inside = tmp_path / "data" / "ok.png"
+    inside.write_bytes(_png())
+    (tmp_path / "data" / "p.jsonl").write_text(json.dumps({"prompt": "a", "label": "1", "images": str(inside)}))
+    assert load_prompts(tmp_path / "data" / "p.jsonl", image_key="images")[0].images == [_png()]
+
+
 def test_without_an_image_key_a_column_named_images_is_metadata(tmp_path):
     """A text dataset may have a column called `images` (URLs, captions): it stays the reward's metadata."""
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a", "label": "1", "images": ["https://x/y.png"]}))

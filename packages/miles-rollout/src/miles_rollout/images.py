@@ -49,9 +49,18 @@ def _bytes_of(item: Any, where: str, base: Path | None) -> bytes:
 
 
 def _read(path: str, where: str, base: Path | None) -> bytes:
-    file = Path(path).expanduser()
-    if not file.is_absolute() and base is not None:
-        file = base / file
+    """An image file named by the data: inside the data file's folder (`base`), so that a data file can name no
+    file its reader could not (a job submitted through the API has its data file confined to the data root, and a
+    sample's image reaches the store, where the API shows it)."""
+    if base is None:
+        raise PromptDataError(
+            f"{where}: an image given as a path ({path!r}) where no data file says what it is relative to; give the "
+            "image's bytes, or a datasets Image column"
+        )
+    folder = base.resolve()
+    file = (folder / Path(path).expanduser()).resolve()  # an absolute path replaces the folder; `..` is resolved
+    if file != folder and folder not in file.parents:
+        raise PromptDataError(f"{where}: image {path!r} lies outside the data file's folder {folder}")
     try:
         return file.read_bytes()
     except OSError as exc:
